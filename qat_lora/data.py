@@ -1,0 +1,163 @@
+"""Text in, fixed-length token sequences out: documents, the held-out split by document hash, packing.
+
+Formats: `.txt` (documents separated by one or more blank lines) and `.jsonl` (one document per line,
+text in `text_field`). Folders are read recursively in sorted order. Files are interleaved by token count,
+so a token budget draws about equally from every file rather than only from the first.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .files import sha256_file
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+SPLITS = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    source: str  # the file it came from; decides the separator when packing
+
+
+def list_text_files(paths: Sequence[str | Path]) -> list[Path]:
+    """Expand files and folders into a sorted list of readable text files.
+
+    Raises:
+        ValueError: a path that does not exist, or no .txt/.jsonl file at all.
+    """
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"--data {raw}: no such file or folder")
+    if not files:
+        raise ValueError(f"--data {' '.join(map(str, paths))}: no .txt or .jsonl files found")
+    return files
+
+
+def iter_documents(path: Path, text_field: str = "text") -> Iterator[Document]:
+    """Yield the non-empty documents of one file."""
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[text_field]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a {text_field!r} string "
+                                     f"(set --text-field): {e}") from None
+                if isinstance(text, str) and text.strip():
+                    yield Document(text.strip(), str(path))
+        return
+    block: list[str] = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                block.append(line.rstrip("\n"))
+            elif block:
+                yield Document("\n".join(block), str(path))
+                block = []
+    if block:
+        yield Document("\n".join(block), str(path))
+
+
+def holdout_score(text: str) -> float:
+    """A uniform number in [0, 1) fixed by the document's text: the same document always lands in the same split."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+def corpus_fingerprint(files: Sequence[Path]) -> str:
+    """sha256 over every file's name, size and content hash."""
+    digest = hashlib.sha256()
+    for path in files:
+        content = sha256_file(path)
+        digest.update(f"{path.name}\0{path.stat().st_size}\0{content}\n".encode())
+    return digest.hexdigest()
+
+
+def _interleaved(streams: list[Iterator[tuple[Document, list[int]]]]) -> Iterator[tuple[Document, list[int]]]:
+    # Always draw from the file that has contributed the fewest tokens so far (ties: file order).
+    heap = [(0, i) for i in range(len(streams))]
+    while heap:
+        used, i = heapq.heappop(heap)
+        item = next(streams[i], None)
+        if item is not None:
+            heapq.heappush(heap, (used + len(item[1]), i))
+            yield item
+
+
+def tokenized_documents(files: Sequence[Path], tokenizer, text_field: str = "text") -> Iterator[tuple[Document, list[int]]]:
+    """(document, token ids without special tokens), files interleaved by token count."""
+    def stream(path: Path) -> Iterator[tuple[Document, list[int]]]:
+        for doc in iter_documents(path, text_field):
+            yield doc, tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+
+    return _interleaved([stream(p) for p in files])
+
+
+def split_token_streams(docs: Iterable[tuple[Document, list[int]]], tokenizer, holdout_fraction: float,
+                        max_tokens: int | None) -> dict[str, list[int]]:
+    """Route each document to train or held-out by its hash and join each split into one token stream.
+
+    Consecutive documents of the same file are joined by a blank line, documents of different files by
+    the EOS token. Reading stops once each split holds its share of `max_tokens` (None = read everything).
+    """
+    if not 0.0 <= holdout_fraction < 1.0:
+        raise ValueError(f"--holdout-fraction {holdout_fraction}: must be in [0, 1)")
+    para_sep = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else para_sep
+    budget = {"train": None, "heldout": None}
+    if max_tokens is not None:
+        budget = {"heldout": int(round(max_tokens * holdout_fraction))}
+        budget["train"] = max_tokens - budget["heldout"]
+    streams: dict[str, list[int]] = {s: [] for s in SPLITS}
+    last_source: dict[str, str | None] = {s: None for s in SPLITS}
+    for doc, ids in docs:
+        split = "heldout" if holdout_score(doc.text) < holdout_fraction else "train"
+        stream, limit = streams[split], budget[split]
+        if limit is not None and len(stream) >= limit:
+            if all(budget[s] is not None and len(streams[s]) >= budget[s] for s in SPLITS):
+                break
+            continue
+        if stream:
+            stream += para_sep if last_source[split] == doc.source else eos
+        stream += ids
+        last_source[split] = doc.source
+    for split in SPLITS:
+        if budget[split] is not None:
+            del streams[split][budget[split]:]
+    return streams
+
+
+def pack(tokens: Sequence[int], seq_len: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Cut a token stream into [N, seq_len] rows; the last partial row is right-padded and masked.
+
+    Returns:
+        input_ids: [N, seq_len] int32; attention_mask: [N, seq_len] uint8 (1 = real token).
+    """
+    n = -(-len(tokens) // seq_len)
+    input_ids = np.full((n, seq_len), pad_id, dtype=np.int32)
+    mask = np.zeros((n, seq_len), dtype=np.uint8)
+    flat_ids, flat_mask = input_ids.reshape(-1), mask.reshape(-1)
+    flat_ids[: len(tokens)] = np.asarray(tokens, dtype=np.int32)
+    flat_mask[: len(tokens)] = 1
+    return input_ids, mask
+
+
+def token_stream(files: Sequence[Path], tokenizer, max_tokens: int | None, text_field: str = "text") -> list[int]:
+    """Every document of `files` joined into one token stream (no held-out split), cut at `max_tokens`."""
+    docs = tokenized_documents(files, tokenizer, text_field)
+    return split_token_streams(docs, tokenizer, 0.0, max_tokens)["train"]

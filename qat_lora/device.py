@@ -1,0 +1,137 @@
+"""Every device specific in one place: choice, autocast, sync, metrics closures, compile counters.
+
+torch_xla is imported lazily, only when the XLA device is asked for, so the library imports on machines
+without it. Components stay device-agnostic and call these helpers.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from typing import Callable
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "xla", "tpu")
+
+
+def xla_available() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def _tpu_present() -> bool:
+    # Cheap checks that need no runtime start: a TPU VM sets these or exposes /dev/accel*.
+    return os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """Map a --device value to a torch.device.
+
+    auto picks a TPU (through torch_xla), then CUDA, then the CPU. `xla` is any PJRT device
+    (PJRT_DEVICE=CPU gives XLA on the host CPU, which is how the XLA path is tested without a TPU).
+
+    Raises:
+        ValueError: unknown name, or an explicit device that is not available here.
+    """
+    if name not in DEVICE_CHOICES:
+        raise ValueError(f"--device {name!r}: choose one of {', '.join(DEVICE_CHOICES)}")
+    if name == "auto":
+        if xla_available() and _tpu_present():
+            name = "tpu"
+        elif torch.cuda.is_available():
+            name = "cuda"
+        else:
+            name = "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to torch; use --device cpu or auto")
+    if name in ("xla", "tpu"):
+        if not xla_available():
+            raise ValueError(f"--device {name}: torch_xla is not installed; pip install 'qat-lora[xla]' "
+                             "(torch-xla X.Y needs torch X.Y)")
+        if name == "tpu" and not _tpu_present():
+            raise ValueError("--device tpu: no TPU found on this host; use --device xla with PJRT_DEVICE=CPU to test XLA")
+        os.environ.setdefault("PJRT_DEVICE", "TPU" if name == "tpu" else "CPU")
+        import torch_xla
+
+        return torch_xla.device()
+    return torch.device(name)
+
+
+def is_xla(device: torch.device) -> bool:
+    return device.type == "xla"
+
+
+def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """The autocast dtype for `precision` ('auto', 'fp32', 'bf16') on `device`; None means no autocast.
+
+    auto: bf16 on CUDA (when supported) and TPU; fp32 on the CPU, whose bf16 matmuls are slower than fp32
+    on hosts without AMX, and on XLA:CPU.
+    """
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision != "auto":
+        raise ValueError(f"--precision {precision!r}: choose auto, fp32 or bf16")
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if is_xla(device) and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        return torch.bfloat16
+    return None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def sync(device: torch.device) -> None:
+    """Cut the lazy graph on XLA (one call per micro-step); a no-op elsewhere."""
+    if is_xla(device):
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def add_step_closure(device: torch.device, fn: Callable[[], None]) -> None:
+    """Run `fn` once the current step's values exist: after the next sync on XLA, at once elsewhere.
+
+    Reading tensors inside `fn` (e.g. `.item()`) then costs no extra graph execution on XLA.
+    """
+    if is_xla(device):
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn)
+    else:
+        fn()
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    if xla_available() and "torch_xla" in __import__("sys").modules:
+        import torch_xla
+
+        torch_xla.manual_seed(seed)
+
+
+def compile_metrics() -> dict:
+    """XLA compile counters from torch_xla.debug.metrics ({} when torch_xla is not in use)."""
+    import sys
+
+    if "torch_xla" not in sys.modules:
+        return {}
+    import torch_xla.debug.metrics as met
+
+    compile_time = met.metric_data("CompileTime")  # (count, total_ns, samples) or None before any compile
+    return {
+        "graphs_compiled": int(compile_time[0]) if compile_time else 0,
+        "compile_seconds": float(compile_time[1]) / 1e9 if compile_time else 0.0,
+        "uncached_compiles": int(met.counter_value("UncachedCompile") or 0),
+        "cpu_fallback_ops": sorted(name for name in met.counter_names() if name.startswith("aten::")),
+    }
+
+
+def state_dict_to_cpu(state: dict) -> dict:
+    """Tensors of a state dict moved to the CPU (save_pretrained of a model living on XLA fails otherwise)."""
+    return {k: v.detach().to("cpu") if isinstance(v, torch.Tensor) else v for k, v in state.items()}

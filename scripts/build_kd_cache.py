@@ -1,0 +1,7 @@
+"""Run the teacher once over a corpus and write the KD cache. Same flags as `qat-lora build-cache` (see --help)."""
+import sys
+
+from qat_lora.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["build-cache", *sys.argv[1:]]))

@@ -1,0 +1,7 @@
+"""Train recovery LoRA adapters on one device from a KD cache. Same flags as `qat-lora train` (see --help)."""
+import sys
+
+from qat_lora.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny models built from a config and a tokenizer trained on the spot. No downloads."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+WORDS = ("the a of to and in is was for on that with as by at from his her it an be this which or are "
+         "king queen river city music war light stone house garden ship star night morning letter "
+         "speaks runs sees builds writes sings holds keeps finds brings old new great small red green "
+         "quiet bright early late under over near far").split()
+
+
+def synthetic_text(num_docs: int, seed: int = 0) -> str:
+    """Deterministic English-like documents separated by blank lines."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(num_docs):
+        sentences = []
+        for _ in range(rng.randint(2, 6)):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(4, 12))]
+            sentences.append(" ".join(words).capitalize() + ".")
+        docs.append(" ".join(sentences))
+    return "\n\n".join(docs) + "\n"
+
+
+def make_tokenizer(text: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def make_model_dir(path: Path, tokenizer, arch: str = "llama", seed: int = 0, init_std: float = 0.08) -> Path:
+    """Save a 2-layer random model (Llama or Qwen3) and its tokenizer as a transformers folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  initializer_range=init_std, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    config = Qwen3Config(head_dim=16, **common) if arch == "qwen3" else LlamaConfig(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "a.txt").write_text(synthetic_text(120, seed=1))
+    (root / "b.txt").write_text(synthetic_text(120, seed=2))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tokenizer(corpus_dir):
+    return make_tokenizer((corpus_dir / "a.txt").read_text() + (corpus_dir / "b.txt").read_text())
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(tmp_path_factory, tokenizer) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("teacher"), tokenizer, "llama", seed=0, init_std=0.25)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory, tokenizer) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("qwen3"), tokenizer, "qwen3", seed=1, init_std=0.25)

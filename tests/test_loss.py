@@ -1,0 +1,120 @@
+"""The KD loss against float64 references (DESIGN §3)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qat_lora.loss import KDLossConfig, kd_loss, topk_soft_ce
+
+V, B, L = 11, 2, 5
+
+
+def _batch(teacher_logits: torch.Tensor, k: int, mask: torch.Tensor | None = None) -> dict:
+    logprobs = torch.log_softmax(teacher_logits, -1)
+    values, ids = logprobs.topk(k, -1)
+    ids_in = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids_in, "attention_mask": torch.ones(B, L, dtype=torch.uint8) if mask is None else mask,
+            "topk_ids": ids, "topk_logprobs": values}
+
+
+def _logits(seed: int, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(B, L, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+
+
+def test_topk_with_k_equal_v_is_exact_full_cross_entropy():
+    student, teacher = _logits(0), _logits(1)
+    batch = _batch(teacher, V)
+    soft_ce, kl = topk_soft_ce(student, batch["topk_ids"], batch["topk_logprobs"])
+    q = torch.softmax(teacher, -1)
+    reference = -(q * torch.log_softmax(student, -1)).sum(-1)
+    reference_kl = (q * (torch.log_softmax(teacher, -1) - torch.log_softmax(student, -1))).sum(-1)
+    torch.testing.assert_close(soft_ce, reference, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(kl, reference_kl, atol=1e-10, rtol=1e-10)
+
+
+def test_topk_with_tail_matches_bucketed_reference():
+    # K < V: the loss is the CE over K+1 buckets, the tail bucket holding everything outside the top-K.
+    student, teacher, k = _logits(2), _logits(3), 4
+    batch = _batch(teacher, k)
+    soft_ce, kl = topk_soft_ce(student, batch["topk_ids"], batch["topk_logprobs"])
+    p_s, p_t = torch.softmax(student, -1), torch.softmax(teacher, -1)
+    in_topk = torch.zeros_like(p_t).scatter(-1, batch["topk_ids"], 1.0)
+    q_k = torch.gather(p_t, -1, batch["topk_ids"])
+    s_k = torch.gather(p_s, -1, batch["topk_ids"]).log()
+    q_tail, s_tail = (p_t * (1 - in_topk)).sum(-1), (p_s * (1 - in_topk)).sum(-1).log()
+    reference = -((q_k * s_k).sum(-1) + q_tail * s_tail)
+    entropy = -((q_k * q_k.log()).sum(-1) + q_tail * q_tail.log())
+    torch.testing.assert_close(soft_ce.double(), reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kl.double(), reference - entropy, atol=1e-5, rtol=1e-5)
+    assert (kl > -1e-6).all()
+
+
+def test_kl_is_zero_when_student_equals_teacher():
+    teacher = _logits(4)
+    batch = _batch(teacher, 3)
+    _, kl = topk_soft_ce(teacher, batch["topk_ids"], batch["topk_logprobs"])
+    assert kl.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_tempers_both_sides_over_the_same_buckets(temperature):
+    student, teacher, k = _logits(5), _logits(6), V - 1  # K+1 buckets = every token on its own
+    batch = _batch(teacher, k)
+    soft_ce, _ = topk_soft_ce(student, batch["topk_ids"], batch["topk_logprobs"], temperature)
+    q = torch.softmax(teacher / temperature, -1)
+    reference = -(q * torch.log_softmax(student / temperature, -1)).sum(-1) * temperature**2
+    torch.testing.assert_close(soft_ce, reference, atol=1e-10, rtol=1e-10)
+
+
+def test_masked_positions_contribute_nothing():
+    student, teacher = _logits(7).requires_grad_(), _logits(8)
+    mask = torch.ones(B, L, dtype=torch.uint8)
+    mask[1, 3:] = 0
+    batch = _batch(teacher, 4, mask)
+    out = kd_loss(student, batch, KDLossConfig(alpha=0.5))
+    out["loss"].backward()
+    assert torch.count_nonzero(student.grad[1, 3:]) == 0
+    # Garbage in the masked positions changes nothing.
+    poisoned = student.detach().clone()
+    poisoned[1, 3:] = 1e4
+    batch2 = dict(batch, input_ids=batch["input_ids"].clone())
+    batch2["input_ids"][1, 4] = 0
+    out2 = kd_loss(poisoned, batch2, KDLossConfig(alpha=0.5))
+    # Position (1, 2) predicts token 3, which is masked, so its hard label is invalid too.
+    for key in ("loss", "soft_ce", "ce", "kl"):
+        assert torch.equal(out[key].detach(), out2[key]), key
+    assert out["kd_tokens"] == B * L - 2 and out["ce_tokens"] == (L - 1) + 2
+
+
+def test_all_masked_batch_gives_zero_loss_not_nan():
+    batch = _batch(_logits(9), 4, torch.zeros(B, L, dtype=torch.uint8))
+    out = kd_loss(_logits(10), batch, KDLossConfig(alpha=0.5))
+    assert out["loss"] == 0 and not math.isnan(float(out["loss"]))
+
+
+def test_alpha_mixes_soft_and_hard_terms():
+    student, batch = _logits(11), _batch(_logits(12), 4)
+    out = kd_loss(student, batch, KDLossConfig(alpha=0.3))
+    torch.testing.assert_close(out["loss"], 0.3 * out["soft_ce"] + 0.7 * out["ce"])
+    labels = batch["input_ids"][:, 1:]
+    reference_ce = -torch.log_softmax(student[:, :-1], -1).gather(-1, labels.unsqueeze(-1)).mean()
+    torch.testing.assert_close(out["ce"].double(), reference_ce, atol=1e-6, rtol=1e-6)
+
+
+def test_k_equal_v_gradient_matches_full_cross_entropy():
+    student, teacher = _logits(13).requires_grad_(), _logits(14)
+    batch = _batch(teacher, V)
+    kd_loss(student, batch, KDLossConfig())["loss"].backward()
+    reference = student.detach().clone().requires_grad_()
+    (-(torch.softmax(teacher, -1) * torch.log_softmax(reference, -1)).sum(-1).mean()).backward()
+    torch.testing.assert_close(student.grad, reference.grad, atol=1e-6, rtol=1e-5)
+    assert torch.isfinite(student.grad).all()
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="--temperature"):
+        KDLossConfig(temperature=0)
+    with pytest.raises(ValueError, match="--alpha"):
+        KDLossConfig(alpha=1.5)
