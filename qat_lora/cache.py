@@ -58,6 +58,9 @@ class CacheBuildConfig:
 def _write_shard(out: Path, name: str, arrays: dict[str, np.ndarray], row_start: int) -> dict:
     tmp = out / (name + ".tmp")
     save_file(arrays, str(tmp))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; caches are meant to be shared
     os.replace(tmp, out / name)
     rows = len(arrays["input_ids"])
     return {"file": name, "rank": 0, "rows": [row_start, row_start + rows],

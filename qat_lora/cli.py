@@ -106,10 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
+    from .assets import AssetError
+
     hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, AssetError) as e:
         # User errors end in one line naming the flag or file and the fix; tracebacks are for bugs.
         print(f"qat-lora {args.command}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)

@@ -135,3 +135,19 @@ def compile_metrics() -> dict:
 def state_dict_to_cpu(state: dict) -> dict:
     """Tensors of a state dict moved to the CPU (save_pretrained of a model living on XLA fails otherwise)."""
     return {k: v.detach().to("cpu") if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def checkpoint_fn(device: torch.device) -> Callable:
+    """Activation checkpointing that really recomputes on this device.
+
+    XLA's compiler would merge a plain recomputation with the forward (common-subexpression elimination)
+    and keep the activations alive; torch_xla's own checkpoint prevents that.
+    """
+    if is_xla(device):
+        import torch_xla.utils.checkpoint as xla_checkpoint
+
+        return xla_checkpoint.checkpoint
+    import functools
+    import torch.utils.checkpoint
+
+    return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)

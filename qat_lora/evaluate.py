@@ -14,8 +14,10 @@ from . import data, device as dev, models
 from .files import atomic_write_json
 from .cache import KDCache, batch_order, iterate_batches
 from .lora import load_recovery_lora
-from .loss import KDLossConfig, hard_ce, kd_loss, next_token_labels
-from .train import build_student, resolve_attn
+from .loss import KDLossConfig
+from .train import build_student, forward_loss, resolve_attn
+
+EVAL_CHUNK = 128  # positions per lm_head chunk: bounds eval memory without changing any value
 
 
 @dataclass
@@ -55,10 +57,9 @@ def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int 
     for batch in iterate_batches(rows, batch_size, batch_order(len(input_ids), seed=0, epoch=0, shuffle=False),
                                  drop_last=False):
         batch = {k: v.to(device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"]).logits
-        labels, label_mask = next_token_labels(batch["input_ids"], batch["attention_mask"])
-        nll_sum += (hard_ce(logits, labels) * label_mask).sum().double()
-        count += label_mask.sum().double()
+        parts = forward_loss(model, batch, KDLossConfig(alpha=0.0), EVAL_CHUNK)
+        nll_sum += parts["ce_sum"].double()
+        count += parts["ce_tokens"].double()
         dev.sync(device)
     nll = float(nll_sum) / max(float(count), 1.0)
     return {"ppl": math.exp(nll), "nll": nll, "tokens": int(count)}
@@ -76,7 +77,7 @@ def kd_metrics(model, cache: KDCache, batch_size: int, device: torch.device, spl
     order = batch_order(len(rows["input_ids"]), seed=0, epoch=0, shuffle=False)
     for batch in iterate_batches(rows, batch_size, order, drop_last=False):
         batch = {k: v.to(device) for k, v in batch.items()}
-        parts = kd_loss(model(input_ids=batch["input_ids"]).logits, batch, KDLossConfig())
+        parts = forward_loss(model, batch, KDLossConfig(), EVAL_CHUNK)
         for k in keys:
             sums[k] += parts[k].double()
         dev.sync(device)

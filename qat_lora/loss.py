@@ -6,6 +6,7 @@ on tensor values. Masked positions are multiplied by zero, so they contribute ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -107,35 +108,84 @@ def hard_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, -1) - torch.gather(z, -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: KDLossConfig) -> torch.Tensor:
+    """Masked sums over N positions: [soft_ce, kl, top1, ce]. logits [N, V]; targets hold per-position
+    `topk_ids` [N, K], `topk_logprobs` [N, K] (optional), `labels` [N], `kd_mask` [N], `label_mask` [N]."""
+    ce = hard_ce(logits, targets["labels"]) * targets["label_mask"]
+    if "topk_ids" not in targets:  # perplexity only: no teacher targets
+        zero = ce.sum() * 0.0
+        return torch.stack([zero, zero, zero, ce.sum()])
+    soft_ce, kl = topk_soft_ce(logits, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature)
+    top1 = (logits.argmax(-1) == targets["topk_ids"][:, 0]).to(soft_ce.dtype)
+    kd_mask = targets["kd_mask"].to(soft_ce.dtype)
+    return torch.stack([(soft_ce * kd_mask).sum(), (kl * kd_mask).sum(), (top1 * kd_mask).sum(),
+                        ce.sum().to(soft_ce.dtype)])
+
+
+def _flat_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-position targets of a [B, L] batch, flattened to [B*L, ...]."""
+    labels, label_mask = next_token_labels(batch["input_ids"], batch["attention_mask"])
+    targets = {"labels": labels.reshape(-1), "label_mask": label_mask.reshape(-1),
+               "kd_mask": batch["attention_mask"].reshape(-1).float()}
+    if "topk_ids" in batch:
+        k = batch["topk_ids"].shape[-1]
+        targets["topk_ids"] = batch["topk_ids"].reshape(-1, k)
+        targets["topk_logprobs"] = batch["topk_logprobs"].reshape(-1, k)
+    return targets
+
+
+def _finish(sums: torch.Tensor, targets: dict[str, torch.Tensor], cfg: KDLossConfig) -> dict[str, torch.Tensor]:
+    kd_tokens, ce_tokens = targets["kd_mask"].sum(), targets["label_mask"].sum()
+    out = {"soft_ce_sum": sums[0], "kl_sum": sums[1], "top1_sum": sums[2], "ce_sum": sums[3],
+           "kd_tokens": kd_tokens, "ce_tokens": ce_tokens}
+    for name, count in (("soft_ce", kd_tokens), ("kl", kd_tokens), ("top1", kd_tokens), ("ce", ce_tokens)):
+        out[name] = out[f"{name}_sum"] / count.clamp(min=1.0)
+    out["loss"] = cfg.alpha * out["soft_ce"] + (1.0 - cfg.alpha) * out["ce"]
+    return out
+
+
 def kd_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], cfg: KDLossConfig) -> dict[str, torch.Tensor]:
-    """The training objective and its parts for one batch.
+    """The training objective and its parts for one batch, from full logits (the reference form).
 
     Args:
         logits: [B, L, V] student logits.
-        batch: `input_ids` [B, L], `attention_mask` [B, L] (1 = real token), `topk_ids` [B, L, K],
-            `topk_logprobs` [B, L, K] (teacher log-softmax over the full vocabulary).
+        batch: `input_ids` [B, L], `attention_mask` [B, L] (1 = real token), and unless only perplexity is
+            wanted, `topk_ids` [B, L, K] and `topk_logprobs` [B, L, K] (teacher log-softmax over the full vocab).
         cfg: temperature and alpha.
     Returns:
         dict of 0-d tensors: `loss` = alpha * soft_ce + (1 - alpha) * ce (each averaged over its valid
         positions), `soft_ce`, `kl`, `ce`, `top1` (student argmax == teacher argmax), and the sums and counts
         (`*_sum`, `kd_tokens`, `ce_tokens`) that let evaluation average over many batches exactly.
     """
-    kd_mask = batch["attention_mask"].float()
-    labels, label_mask = next_token_labels(batch["input_ids"], batch["attention_mask"])
-    soft_ce, kl = topk_soft_ce(logits, batch["topk_ids"], batch["topk_logprobs"], cfg.temperature)
-    ce = hard_ce(logits, labels)
-    top1 = (logits.argmax(-1) == batch["topk_ids"][..., 0]).float()
+    targets = _flat_targets(batch)
+    return _finish(_position_sums(logits.reshape(-1, logits.shape[-1]), targets, cfg), targets, cfg)
 
-    kd_tokens, ce_tokens = kd_mask.sum(), label_mask.sum()
-    out = {
-        "soft_ce_sum": (soft_ce * kd_mask).sum(),
-        "kl_sum": (kl * kd_mask).sum(),
-        "top1_sum": (top1 * kd_mask).sum(),
-        "ce_sum": (ce * label_mask).sum(),
-        "kd_tokens": kd_tokens,
-        "ce_tokens": ce_tokens,
-    }
-    for name, count in (("soft_ce", kd_tokens), ("kl", kd_tokens), ("top1", kd_tokens), ("ce", ce_tokens)):
-        out[name] = out[f"{name}_sum"] / count.clamp(min=1.0)
-    out["loss"] = cfg.alpha * out["soft_ce"] + (1.0 - cfg.alpha) * out["ce"]
-    return out
+
+def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str, torch.Tensor], cfg: KDLossConfig,
+                    chunk_size: int = 1024, bias: torch.Tensor | None = None,
+                    checkpoint: Callable | None = None) -> dict[str, torch.Tensor]:
+    """kd_loss computed from the final hidden states and the lm_head weight, `chunk_size` positions at a time.
+
+    Each chunk's logits are recomputed in backward (activation checkpointing), so peak memory is set by
+    chunk_size x V, not B x L x V. Equal in value and gradient to kd_loss(hidden @ weight.T + bias, ...).
+
+    Args:
+        hidden: [B, L, H] final (normed) hidden states; weight: [V, H]; bias: [V] or None.
+        chunk_size: positions per chunk (all chunks but the last have this size; shapes are fixed per run).
+        checkpoint: checkpoint function (device.checkpoint_fn); None computes chunks without recomputation.
+    """
+    targets = _flat_targets(batch)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+
+    def chunk_sums(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *chunk_targets: torch.Tensor):
+        logits = torch.nn.functional.linear(h, w, b)
+        return _position_sums(logits, dict(zip(names, chunk_targets)), cfg)
+
+    names = list(targets)
+    sums = None
+    for start in range(0, flat.shape[0], chunk_size):
+        parts = [t[start:start + chunk_size] for t in targets.values()]
+        args = (flat[start:start + chunk_size], weight, bias, *parts)
+        chunk = checkpoint(chunk_sums, *args) if checkpoint is not None else chunk_sums(*args)
+        sums = chunk if sums is None else sums + chunk
+    return _finish(sums, targets, cfg)

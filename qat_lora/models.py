@@ -90,3 +90,23 @@ def model_fingerprint(model: nn.Module, name_or_path: str | Path) -> dict:
         weights.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return {"name_or_path": str(name_or_path), "model_type": config.get("model_type"),
             "config_sha256": config_hash, "weights_sha256": weights.hexdigest()}
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(the decoder stack returning final normed hidden states, the output projection) of a causal LM,
+    PEFT-wrapped or not, so the loss can run lm_head itself, chunk by chunk.
+
+    Raises:
+        ValueError: models whose logits are not a plain projection of the hidden states (soft-capping, scaling).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
+        raise ValueError(f"{config.model_type}: logits are soft-capped or scaled; use --loss-chunk-size 0")
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def head_weight_and_bias(head: nn.Module) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+    """The effective output-projection weight (fake-quantised if the head was quantised) and bias."""
+    weight = head.quantized_weight() if hasattr(head, "quantized_weight") else head.weight
+    return weight, head.bias

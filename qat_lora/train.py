@@ -24,7 +24,7 @@ from . import device as dev, models
 from .files import atomic_write_json
 from .cache import KDCache, batch_order, iterate_batches
 from .lora import add_recovery_lora_
-from .loss import KDLossConfig, kd_loss
+from .loss import KDLossConfig, kd_loss, kd_loss_chunked
 from .quant import get_preset, quant_config_dict, quantize_
 
 ADAPTER_DIR = "adapter"
@@ -56,10 +56,13 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
     precision: str = field(default="auto", metadata={"help": "auto, fp32 or bf16 (autocast)"})
+    loss_chunk_size: int = field(default=128, metadata={"help": "positions per lm_head+loss chunk, recomputed in backward (0 = full logits)"})
     attn_implementation: str = field(default="auto", metadata={"help": "auto (eager on XLA, sdpa elsewhere), eager, sdpa"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing run in --out"})
 
     def __post_init__(self) -> None:
+        if self.loss_chunk_size < 0:
+            raise ValueError(f"--loss-chunk-size {self.loss_chunk_size}: must be >= 0 (0 = full logits)")
         for name in ("max_steps", "batch_size", "accumulation_steps", "log_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
@@ -91,6 +94,18 @@ def build_student(model: str, quant: str, attn_implementation: str = "sdpa") -> 
     """Load the full-precision model and fake-quantise it with a preset (round-to-nearest init)."""
     student = models.load_causal_lm(model, attn_implementation=attn_implementation)
     return quantize_(student, get_preset(quant))
+
+
+def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KDLossConfig, chunk_size: int,
+                 checkpoint: Callable | None = None) -> dict[str, torch.Tensor]:
+    """Student forward + KD loss. With chunk_size > 0 the decoder runs alone and lm_head + loss run in
+    chunks of positions (recomputed in backward when `checkpoint` is given), never holding B x L x V logits."""
+    if chunk_size <= 0:
+        return kd_loss(model(input_ids=batch["input_ids"]).logits, batch, cfg)
+    decoder, head = models.decoder_and_head(model)
+    hidden = decoder(input_ids=batch["input_ids"]).last_hidden_state
+    weight, bias = models.head_weight_and_bias(head)
+    return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias, checkpoint)
 
 
 def endless_batches(rows: dict[str, torch.Tensor], batch_size: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -146,6 +161,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     loss_cfg = KDLossConfig(cfg.temperature, cfg.alpha)
     amp_dtype = dev.autocast_dtype(device, cfg.precision)
+    checkpoint = dev.checkpoint_fn(device)
     atomic_write_json(out / CONFIG_FILE, {**asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant)),
                                           "trainable_parameters": sum(p.numel() for p in params)})
     tokens_per_step = cfg.batch_size * cfg.accumulation_steps * cache.seq_len
@@ -161,8 +177,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         for micro in range(cfg.accumulation_steps):
             batch = {k: v.to(device) for k, v in next(batches).items()}
             with dev.autocast(device, amp_dtype):
-                logits = model(input_ids=batch["input_ids"]).logits
-            parts = kd_loss(logits, batch, loss_cfg)
+                parts = forward_loss(model, batch, loss_cfg, cfg.loss_chunk_size, checkpoint)
             (parts["loss"] / cfg.accumulation_steps).backward()
             for key in ("loss", "soft_ce", "kl", "ce"):
                 totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps

@@ -118,3 +118,30 @@ def test_config_rejects_bad_values():
         KDLossConfig(temperature=0)
     with pytest.raises(ValueError, match="--alpha"):
         KDLossConfig(alpha=1.5)
+
+
+@pytest.mark.parametrize("chunk_size,temperature,alpha", [(3, 1.0, 1.0), (4, 2.0, 0.6), (100, 1.0, 0.0)])
+def test_chunked_loss_equals_plain_in_value_and_gradient(chunk_size, temperature, alpha):
+    from qat_lora.loss import kd_loss_chunked
+    import functools
+    import torch.utils.checkpoint
+
+    gen = torch.Generator().manual_seed(20)
+    hidden = torch.randn(B, L, 6, dtype=torch.float64, generator=gen)
+    weight = torch.randn(V, 6, dtype=torch.float64, generator=gen)
+    bias = torch.randn(V, dtype=torch.float64, generator=gen)
+    mask = torch.ones(B, L, dtype=torch.uint8)
+    mask[0, -2:] = 0
+    batch = _batch(_logits(21), 4, mask)
+    cfg = KDLossConfig(temperature=temperature, alpha=alpha)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    plain = kd_loss(torch.nn.functional.linear(h1, w1, bias), batch, cfg)
+    plain["loss"].backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    chunked = kd_loss_chunked(h2, w2, batch, cfg, chunk_size, bias, checkpoint)
+    chunked["loss"].backward()
+    for key in ("loss", "soft_ce", "kl", "ce", "top1", "kd_tokens", "ce_tokens"):
+        torch.testing.assert_close(chunked[key], plain[key], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(w2.grad, w1.grad, atol=1e-12, rtol=1e-12)
