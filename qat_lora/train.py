@@ -117,11 +117,14 @@ def endless_batches(rows: dict[str, torch.Tensor], batch_size: int, seed: int) -
 
 
 def _prepare_out(cfg: TrainConfig) -> Path:
+    """Create the run folder; with --overwrite remove only what a previous run wrote there."""
     out = Path(cfg.out)
     if (out / CONFIG_FILE).exists():
         if not cfg.overwrite:
             raise ValueError(f"--out {out}: a run already exists there; pass --overwrite or choose another folder")
-        shutil.rmtree(out)
+        for path in [out / name for name in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, ADAPTER_DIR)] + \
+                list(out.glob("checkpoint-*")):
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -138,60 +141,77 @@ def save_adapter(model, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
-    """Train recovery LoRA adapters; returns the run summary (also written to `out/summary.json`)."""
-    device = dev.resolve_device(cfg.device)
+@dataclass
+class _Run:
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: Iterator[dict[str, torch.Tensor]]
+    tokens_per_step: int
+    out: Path
+
+
+def _set_up(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]) -> _Run:
+    """Student, adapters, data and optimizer; every input is checked before the run folder is touched."""
     cache = KDCache(cfg.cache)
-    out = _prepare_out(cfg)
     dev.seed_everything(cfg.seed)
     tokenizer = models.load_tokenizer(cfg.model)
     student = build_student(cfg.model, cfg.quant, resolve_attn(cfg.attn_implementation, device))
     cache.check_compatible(tokenizer, models.vocab_size(student), models.max_positions(student))
-    model = add_recovery_lora_(student, r=cfg.lora_r, alpha=cfg.lora_alpha).to(device)
-    model.train()
     rows = cache.read_split("train")
     num_rows = len(rows.get("input_ids", ()))
     if num_rows < cfg.batch_size:
         raise ValueError(f"--cache {cfg.cache}: {num_rows} training sequences, fewer than --batch-size "
                          f"{cfg.batch_size}; build a larger cache or lower the batch size")
-    batches = endless_batches(rows, cfg.batch_size, cfg.seed)
+    out = _prepare_out(cfg)
+    model = add_recovery_lora_(student, r=cfg.lora_r, alpha=cfg.lora_alpha).to(device)
+    model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
-    loss_cfg = KDLossConfig(cfg.temperature, cfg.alpha)
-    amp_dtype = dev.autocast_dtype(device, cfg.precision)
-    checkpoint = dev.checkpoint_fn(device)
     atomic_write_json(out / CONFIG_FILE, {**asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant)),
                                           "trainable_parameters": sum(p.numel() for p in params)})
     tokens_per_step = cfg.batch_size * cfg.accumulation_steps * cache.seq_len
     log(f"student {cfg.model} [{cfg.quant}] on {device}: {sum(p.numel() for p in params):,} trainable parameters, "
         f"{num_rows} training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step")
+    return _Run(model, params, optimizer, scheduler, endless_batches(rows, cfg.batch_size, cfg.seed),
+                tokens_per_step, out)
 
-    metrics_file = (out / METRICS_FILE).open("w")
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
+    """Train recovery LoRA adapters; returns the run summary (also written to `out/summary.json`)."""
+    device = dev.resolve_device(cfg.device)
+    run = _set_up(cfg, device, log)
+    loss_cfg = KDLossConfig(cfg.temperature, cfg.alpha)
+    amp_dtype = dev.autocast_dtype(device, cfg.precision)
+    checkpoint = dev.checkpoint_fn(device)
+
+    metrics_file = (run.out / METRICS_FILE).open("w")
     progress = tqdm(total=cfg.max_steps, desc="train", unit="step")
     started = last_time = time.perf_counter()
     last_step = compiled_by_step_2 = 0
     for step in range(cfg.max_steps):
         totals = {}
         for micro in range(cfg.accumulation_steps):
-            batch = {k: v.to(device) for k, v in next(batches).items()}
+            batch = {k: v.to(device) for k, v in next(run.batches).items()}
             with dev.autocast(device, amp_dtype):
-                parts = forward_loss(model, batch, loss_cfg, cfg.loss_chunk_size, checkpoint)
+                parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size, checkpoint)
             (parts["loss"] / cfg.accumulation_steps).backward()
             for key in ("loss", "soft_ce", "kl", "ce"):
                 totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps
             if micro == cfg.accumulation_steps - 1:  # the update joins the last micro-step's graph
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=False)
+                grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)
+                run.optimizer.step()
+                run.scheduler.step()
+                run.optimizer.zero_grad(set_to_none=False)
             dev.sync(device)
 
         if (step + 1) % cfg.log_steps == 0 or step + 1 == cfg.max_steps:
             now = time.perf_counter()
-            record = {"step": step + 1, "lr": scheduler.get_last_lr()[0],
-                      "tokens_per_s": (step + 1 - last_step) * tokens_per_step / max(now - last_time, 1e-9),
+            record = {"step": step + 1, "lr": run.scheduler.get_last_lr()[0],
+                      "tokens_per_s": (step + 1 - last_step) * run.tokens_per_step / max(now - last_time, 1e-9),
                       "elapsed_s": now - started}
             last_time, last_step = now, step + 1
 
@@ -206,19 +226,19 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         if step == 1:
             compiled_by_step_2 = dev.compile_metrics().get("graphs_compiled", 0)
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0 and step + 1 < cfg.max_steps:
-            save_adapter(model, out / f"checkpoint-{step + 1}")
+            save_adapter(run.model, run.out / f"checkpoint-{step + 1}")
     dev.sync(device)
     progress.close()
     metrics_file.close()
-    save_adapter(model, out / ADAPTER_DIR)
+    save_adapter(run.model, run.out / ADAPTER_DIR)
     wall = time.perf_counter() - started
-    summary = {"steps": cfg.max_steps, "tokens": cfg.max_steps * tokens_per_step, "wall_s": round(wall, 2),
-               "tokens_per_s": round(cfg.max_steps * tokens_per_step / wall, 1), "device": str(device),
-               "adapter": str(out / ADAPTER_DIR)}
+    summary = {"steps": cfg.max_steps, "tokens": cfg.max_steps * run.tokens_per_step, "wall_s": round(wall, 2),
+               "tokens_per_s": round(cfg.max_steps * run.tokens_per_step / wall, 1), "device": str(device),
+               "adapter": str(run.out / ADAPTER_DIR)}
     if dev.is_xla(device):
         report = dev.compile_metrics()
         report["graphs_compiled_after_step_2"] = report["graphs_compiled"] - compiled_by_step_2
         summary["compile"] = report
-    atomic_write_json(out / SUMMARY_FILE, summary)
-    log(f"saved adapters to {out / ADAPTER_DIR} ({summary['tokens_per_s']:,.0f} tok/s)")
+    atomic_write_json(run.out / SUMMARY_FILE, summary)
+    log(f"saved adapters to {run.out / ADAPTER_DIR} ({summary['tokens_per_s']:,.0f} tok/s)")
     return summary

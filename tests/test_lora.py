@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import nn
 
 from qat_lora.lora import add_recovery_lora_
 from qat_lora.models import load_causal_lm
