@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import typing
 from typing import Callable, Sequence
@@ -67,6 +68,25 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(config_from_args(DemoConfig, args))
 
 
+def _cache_tool(args: argparse.Namespace) -> None:
+    from .cache import inspect_cache, merge_manifests, verify_cache
+
+    if args.action == "verify":
+        problems = verify_cache(args.dir)
+        if problems:
+            raise ValueError(f"{len(problems)} problem(s); first: {problems[0]}")
+        print(f"{args.dir}: ok")
+    elif args.action == "merge":
+        merge_manifests(args.dir)
+    else:
+        info = inspect_cache(args.dir)
+        if args.json:
+            print(json.dumps(info, indent=2))
+        else:
+            for key, value in info.items():
+                print(f"{key:24s} {value}")
+
+
 def _presets(args: argparse.Namespace) -> None:
     from .quant import PRESETS
 
@@ -98,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_dataclass_flags(p, cls)
         p.set_defaults(func=func)
     sub.add_parser("presets", help="list the quantisation presets").set_defaults(func=_presets)
+    p = sub.add_parser("cache", help="verify, inspect or merge a KD cache")
+    p.add_argument("action", choices=("verify", "inspect", "merge"), help="what to do")
+    p.add_argument("dir", help="cache folder")
+    p.add_argument("--json", action="store_true", help="inspect: print JSON")
+    p.set_defaults(func=_cache_tool)
     return parser
 
 

@@ -27,8 +27,13 @@ class Document:
     source: str  # the file it came from; decides the separator when packing
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by `datasets.Dataset.save_to_disk`."""
+    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists())
+
+
 def list_text_files(paths: Sequence[str | Path]) -> list[Path]:
-    """Expand files and folders into a sorted list of readable text files.
+    """Expand files and folders into a sorted list of text files and saved datasets.
 
     Raises:
         ValueError: a path that does not exist, or no .txt/.jsonl file at all.
@@ -36,7 +41,9 @@ def list_text_files(paths: Sequence[str | Path]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        if is_saved_dataset(path):
+            files.append(path)
+        elif path.is_dir():
             files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         elif path.is_file():
             files.append(path)
@@ -47,21 +54,51 @@ def list_text_files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def iter_documents(path: Path, text_field: str = "text") -> Iterator[Document]:
-    """Yield the non-empty documents of one file."""
+def _record_text(record: dict, where: str, text_field: str, chat_template) -> str:
+    """The text of one jsonl/dataset record: its `text_field`, or its `messages` rendered by the chat template."""
+    try:
+        if chat_template is not None:
+            return chat_template(record["messages"], tokenize=False)
+        text = record[text_field]
+    except (KeyError, TypeError) as e:
+        want = "a 'messages' list (--chat)" if chat_template is not None else f"a {text_field!r} string (set --text-field)"
+        raise ValueError(f"{where}: expected a record with {want}: {e!r}") from None
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: {text_field!r} is not a string; set --text-field")
+    return text
+
+
+def iter_documents(path: Path, text_field: str = "text", chat_template=None) -> Iterator[Document]:
+    """Yield the non-empty documents of one file or saved dataset.
+
+    Args:
+        chat_template: `tokenizer.apply_chat_template` when records hold chat `messages`; None for plain text.
+    """
+    if is_saved_dataset(path):
+        try:
+            import datasets
+        except ImportError:
+            raise ValueError(f"--data {path}: a saved dataset needs `pip install datasets`") from None
+        for i, record in enumerate(datasets.load_from_disk(str(path))):
+            text = _record_text(record, f"{path}[{i}]", text_field, chat_template)
+            if text.strip():
+                yield Document(text.strip(), str(path))
+        return
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    text = json.loads(line)[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a {text_field!r} string "
-                                     f"(set --text-field): {e}") from None
-                if isinstance(text, str) and text.strip():
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
+                text = _record_text(record, f"{path}:{line_no}", text_field, chat_template)
+                if text.strip():
                     yield Document(text.strip(), str(path))
         return
+    if chat_template is not None:
+        raise ValueError(f"--chat: {path} is plain text; chat data comes as .jsonl records with 'messages'")
     block: list[str] = []
     with path.open(encoding="utf-8") as f:
         for line in f:
@@ -80,11 +117,12 @@ def holdout_score(text: str) -> float:
 
 
 def corpus_fingerprint(files: Sequence[Path]) -> str:
-    """sha256 over every file's name, size and content hash."""
+    """sha256 over every input's name and content (a saved dataset: all its files)."""
     digest = hashlib.sha256()
     for path in files:
-        content = sha256_file(path)
-        digest.update(f"{path.name}\0{path.stat().st_size}\0{content}\n".encode())
+        parts = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        content = hashlib.sha256("".join(sha256_file(p) for p in parts).encode()).hexdigest()
+        digest.update(f"{path.name}\0{content}\n".encode())
     return digest.hexdigest()
 
 
@@ -99,10 +137,15 @@ def _interleaved(streams: list[Iterator[tuple[Document, list[int]]]]) -> Iterato
             yield item
 
 
-def tokenized_documents(files: Sequence[Path], tokenizer, text_field: str = "text") -> Iterator[tuple[Document, list[int]]]:
-    """(document, token ids without special tokens), files interleaved by token count."""
+def tokenized_documents(files: Sequence[Path], tokenizer, text_field: str = "text",
+                        chat: bool = False) -> Iterator[tuple[Document, list[int]]]:
+    """(document, token ids without added special tokens), files interleaved by token count."""
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat: the teacher's tokenizer has no chat template")
+    template = tokenizer.apply_chat_template if chat else None
+
     def stream(path: Path) -> Iterator[tuple[Document, list[int]]]:
-        for doc in iter_documents(path, text_field):
+        for doc in iter_documents(path, text_field, template):
             yield doc, tokenizer(doc.text, add_special_tokens=False)["input_ids"]
 
     return _interleaved([stream(p) for p in files])

@@ -8,11 +8,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from . import data, device as dev, models
 from .files import atomic_write_json
-from .cache import KDCache, batch_order, iterate_batches
+from .cache import KDCache
 from .lora import load_recovery_lora
 from .loss import KDLossConfig
 from .train import build_student, forward_loss, resolve_attn
@@ -51,12 +52,14 @@ def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int 
     if len(stream) < 2:
         raise ValueError(f"--text {' '.join(text)}: no text found")
     input_ids, mask = data.pack(stream, seq_len)
-    rows = {"input_ids": torch.from_numpy(input_ids).long(), "attention_mask": torch.from_numpy(mask)}
     nll_sum = torch.zeros((), device=device, dtype=torch.float64)
     count = torch.zeros((), device=device, dtype=torch.float64)
-    for batch in iterate_batches(rows, batch_size, batch_order(len(input_ids), seed=0, epoch=0, shuffle=False),
-                                 drop_last=False):
-        batch = {k: v.to(device) for k, v in batch.items()}
+    for start in range(0, len(input_ids), batch_size):
+        ids = np.zeros((batch_size, seq_len), dtype=np.int64)  # fixed shape: the last batch is padded + masked
+        real = np.zeros((batch_size, seq_len), dtype=np.uint8)
+        ids[:len(input_ids[start:start + batch_size])] = input_ids[start:start + batch_size]
+        real[:len(mask[start:start + batch_size])] = mask[start:start + batch_size]
+        batch = {"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(real).to(device)}
         parts = forward_loss(model, batch, KDLossConfig(alpha=0.0), EVAL_CHUNK)
         nll_sum += parts["ce_sum"].double()
         count += parts["ce_tokens"].double()
@@ -68,14 +71,12 @@ def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int 
 @torch.no_grad()
 def kd_metrics(model, cache: KDCache, batch_size: int, device: torch.device, split: str = "heldout") -> dict:
     """Soft CE, KL over the K+1 buckets, hard CE and top-1 agreement with the teacher, token-averaged."""
-    rows = cache.read_split(split)
-    if not rows:
+    if cache.num_sequences(split) == 0:
         raise ValueError(f"--cache {cache.path}: the {split} split is empty; rebuild with a larger "
                          "--holdout-fraction or --max-tokens")
     keys = ("soft_ce_sum", "kl_sum", "top1_sum", "ce_sum", "kd_tokens", "ce_tokens")
     sums = {k: torch.zeros((), device=device, dtype=torch.float64) for k in keys}
-    order = batch_order(len(rows["input_ids"]), seed=0, epoch=0, shuffle=False)
-    for batch in iterate_batches(rows, batch_size, order, drop_last=False):
+    for batch in cache.batches(split, batch_size, shuffle=False, drop_last=False):
         batch = {k: v.to(device) for k, v in batch.items()}
         parts = forward_loss(model, batch, KDLossConfig(), EVAL_CHUNK)
         for k in keys:

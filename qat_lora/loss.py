@@ -89,6 +89,22 @@ def topk_soft_ce(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: to
     return soft_ce, soft_ce - entropy
 
 
+def sampled_soft_ce(logits: torch.Tensor, sample_ids: torch.Tensor,
+                    sample_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RS-KD soft cross-entropy -sum_i (c_i / N) s_i and the same minus the entropy of c / N.
+
+    Args:
+        logits: [..., V]; sample_ids: [..., S] int64; sample_weights: [..., S] (c_i / N, 0 in unused slots).
+    Returns:
+        soft_ce, kl: [...]; the expectation of soft_ce over the draws is the full soft cross-entropy.
+    """
+    z = _at_least_fp32(logits)
+    s = torch.gather(z, -1, sample_ids) - torch.logsumexp(z, dim=-1, keepdim=True)
+    w = sample_weights.to(s.dtype)
+    soft_ce = -(w * s).sum(-1)
+    return soft_ce, soft_ce + (w * w.clamp(min=1e-30).log()).sum(-1)
+
+
 def next_token_labels(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Hard labels for position t (token t+1) and their validity (both tokens real; the last position has none).
 
@@ -112,11 +128,19 @@ def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: 
     """Masked sums over N positions: [soft_ce, kl, top1, ce]. logits [N, V]; targets hold per-position
     `topk_ids` [N, K], `topk_logprobs` [N, K] (optional), `labels` [N], `kd_mask` [N], `label_mask` [N]."""
     ce = hard_ce(logits, targets["labels"]) * targets["label_mask"]
-    if "topk_ids" not in targets:  # perplexity only: no teacher targets
+    if "topk_ids" in targets:
+        soft_ce, kl = topk_soft_ce(logits, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature)
+        teacher_top1 = targets["topk_ids"][:, 0]
+    elif "sample_ids" in targets:
+        if cfg.temperature != 1.0:
+            raise ValueError("--temperature: sampled targets were drawn at T = 1; use --temperature 1")
+        soft_ce, kl = sampled_soft_ce(logits, targets["sample_ids"], targets["sample_weights"])
+        most_drawn = targets["sample_weights"].argmax(-1, keepdim=True)
+        teacher_top1 = torch.gather(targets["sample_ids"], -1, most_drawn).squeeze(-1)
+    else:  # perplexity only: no teacher targets
         zero = ce.sum() * 0.0
         return torch.stack([zero, zero, zero, ce.sum()])
-    soft_ce, kl = topk_soft_ce(logits, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature)
-    top1 = (logits.argmax(-1) == targets["topk_ids"][:, 0]).to(soft_ce.dtype)
+    top1 = (logits.argmax(-1) == teacher_top1).to(soft_ce.dtype)
     kd_mask = targets["kd_mask"].to(soft_ce.dtype)
     return torch.stack([(soft_ce * kd_mask).sum(), (kl * kd_mask).sum(), (top1 * kd_mask).sum(),
                         ce.sum().to(soft_ce.dtype)])
@@ -127,10 +151,9 @@ def _flat_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     labels, label_mask = next_token_labels(batch["input_ids"], batch["attention_mask"])
     targets = {"labels": labels.reshape(-1), "label_mask": label_mask.reshape(-1),
                "kd_mask": batch["attention_mask"].reshape(-1).float()}
-    if "topk_ids" in batch:
-        k = batch["topk_ids"].shape[-1]
-        targets["topk_ids"] = batch["topk_ids"].reshape(-1, k)
-        targets["topk_logprobs"] = batch["topk_logprobs"].reshape(-1, k)
+    for key in ("topk_ids", "topk_logprobs", "sample_ids", "sample_weights"):
+        if key in batch:
+            targets[key] = batch[key].reshape(-1, batch[key].shape[-1])
     return targets
 
 
@@ -149,8 +172,9 @@ def kd_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], cfg: KDLossCon
 
     Args:
         logits: [B, L, V] student logits.
-        batch: `input_ids` [B, L], `attention_mask` [B, L] (1 = real token), and unless only perplexity is
-            wanted, `topk_ids` [B, L, K] and `topk_logprobs` [B, L, K] (teacher log-softmax over the full vocab).
+        batch: `input_ids` [B, L], `attention_mask` [B, L] (1 = real token), and the teacher targets:
+            `topk_ids` [B, L, K] + `topk_logprobs` [B, L, K] (log-softmax over the full vocabulary), or
+            `sample_ids` [B, L, S] + `sample_weights` [B, L, S] (RS-KD counts / N); none for perplexity only.
         cfg: temperature and alpha.
     Returns:
         dict of 0-d tensors: `loss` = alpha * soft_ce + (1 - alpha) * ce (each averaged over its valid

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from . import device as dev, models
 from .files import atomic_write_json
-from .cache import KDCache, batch_order, iterate_batches
+from .cache import KDCache
 from .lora import add_recovery_lora_
 from .loss import KDLossConfig, kd_loss, kd_loss_chunked
 from .quant import get_preset, quant_config_dict, quantize_
@@ -108,11 +108,12 @@ def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KD
     return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias, checkpoint)
 
 
-def endless_batches(rows: dict[str, torch.Tensor], batch_size: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Epoch after epoch of shuffled fixed-shape batches (the last partial batch of each epoch dropped)."""
+def endless_batches(cache: KDCache, batch_size: int, seed: int, rank: int = 0,
+                    world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+    """Epoch after epoch of shuffled fixed-shape training batches (each epoch's last partial batch dropped)."""
     epoch = 0
     while True:
-        yield from iterate_batches(rows, batch_size, batch_order(len(rows["input_ids"]), seed=seed, epoch=epoch))
+        yield from cache.batches("train", batch_size, seed=seed, epoch=epoch, rank=rank, world_size=world_size)
         epoch += 1
 
 
@@ -159,8 +160,7 @@ def _set_up(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]) 
     tokenizer = models.load_tokenizer(cfg.model)
     student = build_student(cfg.model, cfg.quant, resolve_attn(cfg.attn_implementation, device))
     cache.check_compatible(tokenizer, models.vocab_size(student), models.max_positions(student))
-    rows = cache.read_split("train")
-    num_rows = len(rows.get("input_ids", ()))
+    num_rows = cache.num_sequences("train")
     if num_rows < cfg.batch_size:
         raise ValueError(f"--cache {cfg.cache}: {num_rows} training sequences, fewer than --batch-size "
                          f"{cfg.batch_size}; build a larger cache or lower the batch size")
@@ -176,7 +176,7 @@ def _set_up(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]) 
     tokens_per_step = cfg.batch_size * cfg.accumulation_steps * cache.seq_len
     log(f"student {cfg.model} [{cfg.quant}] on {device}: {sum(p.numel() for p in params):,} trainable parameters, "
         f"{num_rows} training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step")
-    return _Run(model, params, optimizer, scheduler, endless_batches(rows, cfg.batch_size, cfg.seed),
+    return _Run(model, params, optimizer, scheduler, endless_batches(cache, cfg.batch_size, cfg.seed),
                 tokens_per_step, out)
 
 

@@ -145,3 +145,30 @@ def test_chunked_loss_equals_plain_in_value_and_gradient(chunk_size, temperature
         torch.testing.assert_close(chunked[key], plain[key], atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(h2.grad, h1.grad, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(w2.grad, w1.grad, atol=1e-12, rtol=1e-12)
+
+
+def test_sampled_targets_are_unbiased_for_the_full_soft_cross_entropy():
+    """Mean of the RS-KD loss over many independent draws -> the exact full-vocabulary soft CE."""
+    from qat_lora.encodings import SampledEncoding, encode_rows
+
+    gen = torch.Generator().manual_seed(30)
+    teacher = torch.randn(1, 3, V, generator=gen, dtype=torch.float64) * 2
+    student = torch.randn(1, 3, V, generator=gen, dtype=torch.float64) * 2
+    exact = -(torch.softmax(teacher, -1) * torch.log_softmax(student, -1)).sum(-1)  # [1, 3]
+    encoding, trials = SampledEncoding(num_samples=8), 2000
+    losses = []
+    for seed in range(trials):
+        row = encoding.decode(encode_rows(encoding, teacher, V, [seed])[0], 3, V)
+        batch = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "attention_mask": torch.ones(1, 3),
+                 "sample_ids": row["sample_ids"][None], "sample_weights": row["sample_weights"][None]}
+        losses.append(kd_loss(student, batch, KDLossConfig())["soft_ce"])
+    losses = torch.stack(losses).double()
+    standard_error = losses.std() / trials**0.5
+    # |mean - exact| within 4 standard errors (a false alarm about once in 16,000 runs).
+    assert abs(losses.mean() - exact.mean()) < 4 * standard_error, (losses.mean(), exact.mean(), standard_error)
+    # A biased estimator (the top-K renormalised over the K, the tail dropped) misses it by far more.
+    q = torch.softmax(teacher, -1)
+    top = q.topk(3, -1)
+    renormalised = -(top.values / top.values.sum(-1, keepdim=True)
+                     * torch.log_softmax(student, -1).gather(-1, top.indices)).sum(-1)
+    assert abs(renormalised.mean() - exact.mean()) > 10 * standard_error

@@ -1,0 +1,213 @@
+"""The KD cache: encodings round-trip, builds are deterministic, resumable and rank-shardable, and
+damage is detected (DESIGN §2; docs/cache-format.md)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qat_lora.cache import CacheBuildConfig, KDCache, build_cache, inspect_cache, merge_manifests, verify_cache
+from qat_lora.cli import main
+from qat_lora.encodings import DELTA_STEP, SampledEncoding, TopKEncoding, encode_rows, pack_bits, unpack_bits
+
+V, L = 300, 16
+
+
+def _logits(seed: int) -> torch.Tensor:
+    return torch.randn(2, L, V, generator=torch.Generator().manual_seed(seed)) * 4
+
+
+@pytest.mark.parametrize("bits", [1, 5, 9, 16, 18])
+def test_bit_packing_round_trips(bits):
+    values = np.random.default_rng(bits).integers(0, 2**bits, size=1001)
+    packed = pack_bits(values, bits)
+    assert len(packed) == -(-1001 * bits // 8)
+    assert np.array_equal(unpack_bits(packed, bits, 1001), values)
+
+
+@pytest.mark.parametrize("value_bits", [32, 16, 8])
+def test_topk_round_trip_ids_exact_and_probabilities_within_bound(value_bits):
+    encoding = TopKEncoding(top_k=12, value_bits=value_bits)
+    logits = _logits(value_bits)
+    values, ids = torch.log_softmax(logits, -1).topk(12, -1)
+    for b, row in enumerate(encode_rows(encoding, logits, V, [0, 1])):
+        decoded = encoding.decode(row, L, V)
+        assert torch.equal(decoded["topk_ids"], ids[b])
+        error = (decoded["topk_logprobs"] - values[b]).abs()
+        bound = 1e-6 if value_bits == 32 else DELTA_STEP[value_bits] / 2 + 1e-5
+        in_range = (values[b][:, :1] - values[b]) < (255 if value_bits == 8 else 65535) * DELTA_STEP.get(value_bits, 1)
+        assert error[in_range].max() <= bound
+        # Documented bound on probabilities: each within a factor exp(step/2) of the teacher's.
+        if value_bits != 32:
+            ratio = (decoded["topk_logprobs"] - values[b])[in_range].exp()
+            assert ratio.max() <= np.exp(bound) and ratio.min() >= np.exp(-bound)
+
+
+def test_sampled_round_trip_counts_and_ids_exact():
+    encoding = SampledEncoding(num_samples=20)
+    logits = _logits(3)
+    selected = encoding.select(logits, [11, 12])
+    for sel, row in zip(selected, [encoding.pack_row(s, V) for s in selected]):
+        decoded = encoding.decode(row, L, V)
+        assert torch.allclose(decoded["sample_weights"].sum(-1), torch.ones(L))
+        for t in range(L):
+            unique, counts = np.unique(sel["draws"][t], return_counts=True)
+            got = {int(i): round(float(w) * 20) for i, w in zip(decoded["sample_ids"][t], decoded["sample_weights"][t]) if w > 0}
+            assert got == dict(zip(unique.tolist(), counts.tolist()))
+    # Same seed, same draws, whatever else shares the batch.
+    again = encoding.select(torch.cat([logits[1:], logits[:1]]), [12, 11])
+    assert np.array_equal(again[0]["draws"], selected[1]["draws"])
+
+
+def _config(teacher_dir, corpus_dir, out, **overrides) -> CacheBuildConfig:
+    args = dict(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=16, top_k=8, value_bits=16,
+                max_tokens=6_000, batch_size=4, holdout_fraction=0.1, shard_sequences=16, device="cpu")
+    return CacheBuildConfig(**{**args, **overrides})
+
+
+def _shard_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    build_cache(_config(teacher_dir, corpus_dir, out), log=lambda _: None)
+    return out
+
+
+def test_builds_are_deterministic_and_verify_clean(reference, teacher_dir, corpus_dir, tmp_path):
+    build_cache(_config(teacher_dir, corpus_dir, tmp_path / "again"), log=lambda _: None)
+    assert _shard_bytes(reference) == _shard_bytes(tmp_path / "again") and len(_shard_bytes(reference)) > 4
+    assert verify_cache(reference) == []
+    info = inspect_cache(reference)
+    assert info["bytes_per_token"] > 0 and info["encoding"]["value_bits"] == 16
+
+
+@pytest.mark.parametrize("encoding", ["topk", "sampled"])
+def test_two_ranks_together_equal_one_rank(teacher_dir, corpus_dir, tmp_path, encoding):
+    one = tmp_path / "one"
+    build_cache(_config(teacher_dir, corpus_dir, one, encoding=encoding), log=lambda _: None)
+    two = tmp_path / "two"
+    for rank in (0, 1):
+        path = build_cache(_config(teacher_dir, corpus_dir, two, encoding=encoding, rank=rank, world_size=2),
+                           log=lambda _: None)
+        assert path.name == f"manifest-r{rank:03d}.json"
+    merge_manifests(two, log=lambda _: None)
+    a, b = KDCache(one), KDCache(two)
+    for split in ("train", "heldout"):
+        assert a.num_sequences(split) == b.num_sequences(split) > 0
+        for i in range(a.num_sequences(split)):
+            x, y = a.sequence(i, split), b.sequence(i, split)
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (split, i)
+
+
+def test_merge_refuses_a_missing_rank(teacher_dir, corpus_dir, tmp_path):
+    build_cache(_config(teacher_dir, corpus_dir, tmp_path, rank=1, world_size=2), log=lambda _: None)
+    with pytest.raises(ValueError, match=r"ranks \[1\] finished, the build has 2"):
+        merge_manifests(tmp_path, log=lambda _: None)
+    with pytest.raises(ValueError, match="run `qat-lora cache merge`"):
+        KDCache(tmp_path)
+
+
+def _done_shards(progress: Path) -> int:
+    try:
+        return sum(len(v) for v in json.loads(progress.read_text())["shards"].values())
+    except (OSError, ValueError):
+        return 0
+
+
+def test_sigkill_then_resume_gives_byte_identical_shards(reference, teacher_dir, corpus_dir, tmp_path):
+    """Kill the builder at random moments (several trials), resume each time; the result must equal an
+    uninterrupted build byte for byte."""
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "qat_lora.cli", "build-cache", "--teacher", str(teacher_dir), "--data",
+           str(corpus_dir), "--out", str(out), "--seq-len", "16", "--top-k", "8", "--value-bits", "16",
+           "--max-tokens", "6000", "--batch-size", "4", "--holdout-fraction", "0.1", "--shard-sequences", "16",
+           "--device", "cpu"]
+    progress = out / "progress-r000.json"
+    shards = len(list(reference.glob("*.safetensors")))
+    rng, interrupted = random.Random(7), 0
+    for trial in range(3):
+        proc = subprocess.Popen(cmd + (["--resume"] if trial else []), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        target = rng.randint(1 + trial * shards // 3, (trial + 1) * shards // 3 - 1)
+        while proc.poll() is None and _done_shards(progress) < target:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.05))  # between shards or in the middle of one
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            interrupted += not (out / "manifest.json").exists()
+    assert subprocess.run(cmd + ["--resume"], capture_output=True).returncode == 0
+    assert interrupted >= 2  # most trials really died mid-build
+    assert _shard_bytes(out) == _shard_bytes(reference)
+    assert not list(out.glob("*.tmp"))
+
+
+def test_resume_refuses_different_arguments(reference, teacher_dir, corpus_dir, tmp_path):
+    out = tmp_path / "c"
+    out.mkdir()
+    for f in reference.glob("progress-r000.json"):
+        (out / f.name).write_text(f.read_text())
+    with pytest.raises(ValueError, match="built with other arguments"):
+        build_cache(_config(teacher_dir, corpus_dir, out, top_k=4, resume=True), log=lambda _: None)
+
+
+def _damaged_copy(reference: Path, tmp_path: Path) -> tuple[Path, Path]:
+    copy = tmp_path / "damaged"
+    copy.mkdir()
+    for f in reference.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    return copy, sorted(copy.glob("train-*.safetensors"))[1]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
+def test_damage_is_reported_in_one_line_naming_the_file(reference, tmp_path, capsys, damage):
+    copy, shard = _damaged_copy(reference, tmp_path)
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    else:
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["splits"]["train"]["sequences"] += 3
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["cache", "verify", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (shard.name in err[0] or "manifest.json" in err[0]), err
+
+
+def test_training_batches_are_fixed_shape_and_rank_disjoint(reference):
+    cache = KDCache(reference)
+    seen = []
+    for rank in (0, 1):
+        batches = list(cache.batches("train", 3, seed=5, epoch=2, rank=rank, world_size=2))
+        assert all(b["input_ids"].shape == (3, 16) and b["topk_ids"].shape == (3, 16, 8) for b in batches)
+        seen.append({tuple(r.tolist()) for b in batches for r in b["input_ids"]})
+    assert seen[0].isdisjoint(seen[1])
+    padded = list(cache.batches("heldout", 4, shuffle=False, drop_last=False))
+    assert sum(int(b["attention_mask"].sum()) for b in padded) == cache.manifest["splits"]["heldout"]["tokens"]
+
+
+def test_jsonl_and_chat_inputs(teacher_dir, tmp_path, tokenizer):
+    records = [{"text": "the king speaks to the river."}, {"text": "a quiet garden under the stars."}] * 30
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    build_cache(_config(teacher_dir, tmp_path / "d.jsonl", tmp_path / "jsonl"), log=lambda _: None)
+    assert KDCache(tmp_path / "jsonl").num_sequences("train") > 0
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a record with a 'text' string"):
+        build_cache(_config(teacher_dir, tmp_path / "bad.jsonl", tmp_path / "bad"), log=lambda _: None)
+    with pytest.raises(ValueError, match="--chat: the teacher's tokenizer has no chat template"):
+        build_cache(_config(teacher_dir, tmp_path / "d.jsonl", tmp_path / "chat", chat=True), log=lambda _: None)
