@@ -53,7 +53,7 @@ class CacheBuildConfig:
     shard_sequences: int = field(default=1024, metadata={"help": "sequences per shard file"})
     seed: int = field(default=0, metadata={"help": "sampled: seed of the draws"})
     rank: int = field(default=0, metadata={"help": "this builder's rank (builds sequences = rank mod world size)"})
-    world_size: int = field(default=1, metadata={"help": "number of builders; run `qat-lora cache merge` after all"})
+    world_size: int = field(default=1, metadata={"help": "number of builders (torchrun: from RANK, WORLD_SIZE)"})
     resume: bool = field(default=False, metadata={"help": "continue an interrupted build in --out"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing cache in --out"})
 

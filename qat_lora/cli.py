@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
 from typing import Callable, Sequence
@@ -47,6 +48,9 @@ def _fetch_assets(args: argparse.Namespace) -> None:
 def _build_cache(args: argparse.Namespace) -> None:
     from .cache import CacheBuildConfig, build_cache
 
+    if args.world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Started by torchrun (or any launcher that sets RANK / WORLD_SIZE): one builder per process.
+        args.rank, args.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     build_cache(config_from_args(CacheBuildConfig, args))
 
 

@@ -2,6 +2,7 @@
 damage is detected (DESIGN §2; docs/cache-format.md)."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -211,3 +212,23 @@ def test_jsonl_and_chat_inputs(teacher_dir, tmp_path, tokenizer):
         build_cache(_config(teacher_dir, tmp_path / "bad.jsonl", tmp_path / "bad"), log=lambda _: None)
     with pytest.raises(ValueError, match="--chat: the teacher's tokenizer has no chat template"):
         build_cache(_config(teacher_dir, tmp_path / "d.jsonl", tmp_path / "chat", chat=True), log=lambda _: None)
+
+
+def test_training_refuses_mismatched_vocab_tokenizer_or_context(reference, tokenizer):
+    cache = KDCache(reference)
+    cache.check_compatible(tokenizer, cache.vocab_size, 128)  # the matching student passes
+    with pytest.raises(ValueError, match="built for vocab size"):
+        cache.check_compatible(tokenizer, cache.vocab_size + 1, 128)
+    with pytest.raises(ValueError, match="exceed the student's context"):
+        cache.check_compatible(tokenizer, cache.vocab_size, 8)
+    changed = copy.deepcopy(tokenizer)  # one more token: a different vocabulary, a different hash
+    changed.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="different tokenizer"):
+        cache.check_compatible(changed, cache.vocab_size, 128)
+
+
+def test_preloaded_and_memory_mapped_reads_agree(reference):
+    mapped, loaded = KDCache(reference), KDCache(reference, preload=True)
+    for i in (0, 5, mapped.num_sequences("train") - 1):
+        a, b = mapped.sequence(i), loaded.sequence(i)
+        assert all(torch.equal(a[k], b[k]) for k in a)
