@@ -232,3 +232,16 @@ def test_preloaded_and_memory_mapped_reads_agree(reference):
     for i in (0, 5, mapped.num_sequences("train") - 1):
         a, b = mapped.sequence(i), loaded.sequence(i)
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trainer_and_eval_read_a_sampled_cache(teacher_dir, corpus_dir, tmp_path):
+    from qat_lora.evaluate import EvalConfig, evaluate
+    from qat_lora.train import TrainConfig, train
+
+    cache = tmp_path / "sampled"
+    build_cache(_config(teacher_dir, corpus_dir, cache, encoding="sampled", num_samples=16), log=lambda _: None)
+    summary = train(TrainConfig(model=str(teacher_dir), cache=str(cache), quant="w2g32", out=str(tmp_path / "run"),
+                                max_steps=4, batch_size=4, log_steps=2, device="cpu"), log=lambda _: None)
+    result = evaluate(EvalConfig(model=str(teacher_dir), quant="w2g32", adapter=summary["adapter"], cache=str(cache),
+                                 device="cpu"), log=lambda _: None)
+    assert np.isfinite(result["kd_soft_ce"]) and 0 <= result["kd_top1"] <= 1 and result["kd_tokens"] > 0

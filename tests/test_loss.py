@@ -172,3 +172,32 @@ def test_sampled_targets_are_unbiased_for_the_full_soft_cross_entropy():
     renormalised = -(top.values / top.values.sum(-1, keepdim=True)
                      * torch.log_softmax(student, -1).gather(-1, top.indices)).sum(-1)
     assert abs(renormalised.mean() - exact.mean()) > 10 * standard_error
+
+
+def test_chunked_loss_equals_plain_for_sampled_targets():
+    import functools
+    import torch.utils.checkpoint
+    from qat_lora.encodings import SampledEncoding, encode_rows
+    from qat_lora.loss import kd_loss_chunked
+
+    gen = torch.Generator().manual_seed(40)
+    hidden = torch.randn(B, L, 6, dtype=torch.float64, generator=gen)
+    weight = torch.randn(V, 6, dtype=torch.float64, generator=gen)
+    encoding = SampledEncoding(num_samples=10)
+    rows = [encoding.decode(r, L, V) for r in encode_rows(encoding, _logits(41), V, [0, 1])]
+    batch = {"input_ids": torch.randint(0, V, (B, L), generator=gen), "attention_mask": torch.ones(B, L),
+             "sample_ids": torch.stack([r["sample_ids"] for r in rows]),
+             "sample_weights": torch.stack([r["sample_weights"] for r in rows])}
+    cfg = KDLossConfig(alpha=0.7)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    plain = kd_loss(h1 @ weight.T, batch, cfg)
+    plain["loss"].backward()
+    chunked = kd_loss_chunked(h2, weight, batch, cfg, 3, None,
+                              functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+    chunked["loss"].backward()
+    for key in ("loss", "soft_ce", "ce", "top1"):
+        torch.testing.assert_close(chunked[key], plain[key], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-12, rtol=1e-12)
+    reference = -(batch["sample_weights"] * torch.log_softmax(h1.detach() @ weight.T, -1).gather(
+        -1, batch["sample_ids"])).sum(-1).mean()
+    torch.testing.assert_close(plain["soft_ce"], reference)
