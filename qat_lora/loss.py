@@ -29,6 +29,9 @@ class KDLossConfig:
 
     temperature: float = 1.0
     alpha: float = 1.0
+    # Baseline only (the Anemll form): both sides renormalised over the K ids, the tail dropped. Biased: the
+    # student learns an over-confident head (Anshumann et al., 2025); kept to measure what the tail is worth.
+    renormalize_topk: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -66,8 +69,8 @@ def _temper(logp: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def topk_soft_ce(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position soft cross-entropy and KL over the K+1 buckets.
+                 temperature: float = 1.0, renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position soft cross-entropy and KL over the K+1 buckets (over the K alone when `renormalize`).
 
     Returns:
         soft_ce: [...] = -(sum_k q_k s_k + q_tail s_tail) (times T^2 when tempered);
@@ -75,6 +78,11 @@ def topk_soft_ce(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: to
     """
     s_k, s_tail = student_bucket_logprobs(logits, topk_ids)
     q_k, q_tail = teacher_buckets(topk_logprobs)
+    if renormalize:
+        s = torch.log_softmax(s_k / temperature, dim=-1)
+        q = torch.softmax(_at_least_fp32(topk_logprobs) / temperature, dim=-1)
+        soft_ce = -(q * s).sum(-1) * temperature**2
+        return soft_ce, soft_ce + (q * q.clamp(min=1e-30).log()).sum(-1) * temperature**2
     if temperature == 1.0:
         soft_ce = -((q_k * s_k).sum(-1) + q_tail * s_tail)
         q = torch.cat([q_k, q_tail.unsqueeze(-1)], dim=-1)
@@ -129,7 +137,8 @@ def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: 
     `topk_ids` [N, K], `topk_logprobs` [N, K] (optional), `labels` [N], `kd_mask` [N], `label_mask` [N]."""
     ce = hard_ce(logits, targets["labels"]) * targets["label_mask"]
     if "topk_ids" in targets:
-        soft_ce, kl = topk_soft_ce(logits, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature)
+        soft_ce, kl = topk_soft_ce(logits, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature,
+                                   cfg.renormalize_topk)
         teacher_top1 = targets["topk_ids"][:, 0]
     elif "sample_ids" in targets:
         if cfg.temperature != 1.0:

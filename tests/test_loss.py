@@ -201,3 +201,14 @@ def test_chunked_loss_equals_plain_for_sampled_targets():
     reference = -(batch["sample_weights"] * torch.log_softmax(h1.detach() @ weight.T, -1).gather(
         -1, batch["sample_ids"])).sum(-1).mean()
     torch.testing.assert_close(plain["soft_ce"], reference)
+
+
+def test_renormalised_topk_baseline_matches_its_reference_and_differs_from_tail_form():
+    student, teacher, k = _logits(50), _logits(51), 4
+    batch = _batch(teacher, k)
+    renorm, _ = topk_soft_ce(student, batch["topk_ids"], batch["topk_logprobs"], renormalize=True)
+    q = torch.softmax(batch["topk_logprobs"], -1)
+    s = torch.log_softmax(student.gather(-1, batch["topk_ids"]), -1)
+    torch.testing.assert_close(renorm, -(q * s).sum(-1), atol=1e-12, rtol=1e-12)
+    with_tail, _ = topk_soft_ce(student, batch["topk_ids"], batch["topk_logprobs"])
+    assert not torch.allclose(renorm, with_tail)
