@@ -4,6 +4,7 @@
     qat-lora build-cache --teacher T --data D --out caches/kd
     qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64
     qat-lora eval --model M --quant w3g64 --adapter runs/w3g64/adapter --text wiki.txt --cache caches/kd
+    qat-lora export --model M --quant w3g64 --adapter runs/w3g64/adapter --out exports/w3g64
     qat-lora demo                              # all of the above on SmolLM2, with a small budget
 """
 from __future__ import annotations
@@ -36,6 +37,12 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequen
 
 def config_from_args(cls: type, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def _export(args: argparse.Namespace) -> None:
+    from .export import ExportConfig, export
+
+    export(config_from_args(ExportConfig, args))
 
 
 def _fetch_assets(args: argparse.Namespace) -> None:
@@ -96,13 +103,16 @@ def _presets(args: argparse.Namespace) -> None:
 
     for name, cfg in PRESETS.items():
         group = "per-channel" if cfg.group_size is None else f"groups of {cfg.group_size}"
-        print(f"{name:8s} int{cfg.bits}, {group}, {'symmetric' if cfg.symmetric else 'asymmetric'}")
+        kind = (f"lut{cfg.bits} ({cfg.codebook} codebook)" if cfg.scheme == "lut" else
+                f"int{cfg.bits}, {'symmetric' if cfg.symmetric else 'asymmetric'}")
+        print(f"{name:8s} {kind}, {group}, init {cfg.init}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .cache import CacheBuildConfig
     from .demo import DemoConfig
     from .evaluate import EvalConfig
+    from .export import ExportConfig
     from .train import TrainConfig
 
     parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
@@ -115,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("build-cache", "run the teacher once and write top-K targets", CacheBuildConfig, _build_cache),
         ("train", "train recovery LoRA adapters from a cache", TrainConfig, _train),
         ("eval", "held-out perplexity and KD metrics", EvalConfig, _eval),
+        ("export", "write the packed low-bit artefact and/or a dense transformers folder", ExportConfig, _export),
         ("demo", "the whole chain on SmolLM2 with a small budget", DemoConfig, _demo),
     ]
     for name, help_text, cls, func in commands:

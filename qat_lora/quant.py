@@ -1,45 +1,70 @@
-"""Group-wise fake-quantised linear layers and the preset table (DESIGN §4).
+"""Fake-quantised linear layers, the preset table and `quantize_` (DESIGN §4).
 
 `quantize_(model, config)` swaps every matching `nn.Linear` for a `FakeQuantLinear` in place. The latent
-full-precision weight is kept (wrap, don't copy); the forward uses
+full-precision weight is kept (wrap, don't copy). Two schemes, both materialising Wq once per forward and
+then running ONE matmul:
 
-    Wq = s * (clamp(round(W / s) + z, qmin, qmax) - z)
+    int:  Wq = s * (clamp(round(W / s) + z, qmin, qmax) - z)       groups of G input columns
+    lut:  Wq = s * LUT[nearest(W / s)]                             2^b-entry codebook, per tensor or group
 
-per group of `group_size` input columns, with a straight-through estimator for `round`, so the scales `s`
-and zero points `z` receive LSQ-style gradients (Esser et al., 2020) when they are trainable.
+`round`/`nearest` use a straight-through estimator, so scales s, zeros z and codebooks receive LSQ-style
+gradients (Esser et al., 2020). Optional low-rank scales multiply the group scales by (1 + A @ B)
+(A: [out, r], B: [r, in]; Apple/Anemll style) without running r matmuls. Scales, codebooks and low-rank
+factors are always used at fp16 precision (snapped with an STE), which is what the export stores: dequantising
+the export therefore reproduces the training-time Wq bit for bit.
 """
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from typing import Iterable
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
+from . import quant_init
+
+SCHEMES = ("int", "lut")
+INITS = ("rtn", "mse")
+CODEBOOKS = ("tensor", "group")
+
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """How linear weights are fake-quantised.
+    """How linear weights are fake-quantised."""
 
-    Attributes:
-        bits: integer bit width of the codes (2, 3, 4 or 8).
-        group_size: input columns sharing one scale; None means one scale per output channel.
-        symmetric: codes in [-2^(b-1), 2^(b-1)-1] with z = 0; otherwise [0, 2^b-1] with a zero point.
-        exclude: fnmatch patterns of module names left in full precision (lm_head by default;
-            embeddings are not nn.Linear and are never touched).
-    """
-
-    bits: int = 4
-    group_size: int | None = 64
-    symmetric: bool = False
-    exclude: tuple[str, ...] = ("lm_head", "*.lm_head")
+    bits: int = field(default=4, metadata={"help": "bit width of the codes: 2, 3, 4 or 8"})
+    group_size: int | None = field(default=64, metadata={"help": "input columns per scale; None = per output channel"})
+    symmetric: bool = field(default=False, metadata={"help": "int only: codes centred on 0, no zero point"})
+    scheme: str = field(default="int", metadata={"help": "int (uniform grid) or lut (learned 2^b codebook)"})
+    codebook: str = field(default="tensor", metadata={"help": "lut only: one codebook per tensor or per group"})
+    scale_rank: int = field(default=0, metadata={"help": "rank r of low-rank scale factors s * (1 + A @ B); 0 = none"})
+    # rtn is the default because it measured better: on SmolLM2-135M w3g64, weight-MSE clipping gave Wikipedia
+    # ppl 51.9 vs 46.5 for min/max (docs/BENCHMARKS.md); clipping outlier weights costs more than it saves.
+    init: str = field(default="rtn", metadata={"help": "rtn (min/max, uniform LUT) or mse (clipping search, k-means LUT)"})
+    include: tuple[str, ...] = field(default=("*",), metadata={"help": "fnmatch patterns of module names to quantise"})
+    exclude: tuple[str, ...] = field(default=("lm_head", "*.lm_head"),
+                                     metadata={"help": "fnmatch patterns left in full precision (wins over include)"})
+    overrides: tuple[tuple[str, "QuantConfig"], ...] = field(
+        default=(), metadata={"help": "(pattern, QuantConfig) pairs; the first match replaces this config"})
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 3, 4, 8):
             raise ValueError(f"QuantConfig.bits={self.bits}: use 2, 3, 4 or 8")
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"QuantConfig.group_size={self.group_size}: use a positive size or None (per-channel)")
+        for name, value, choices in (("scheme", self.scheme, SCHEMES), ("init", self.init, INITS),
+                                     ("codebook", self.codebook, CODEBOOKS)):
+            if value not in choices:
+                raise ValueError(f"QuantConfig.{name}={value!r}: use one of {', '.join(choices)}")
+        if self.scheme == "lut" and self.symmetric:
+            raise ValueError("QuantConfig.symmetric=True with scheme='lut': a codebook has no zero point; drop symmetric")
+        if self.scale_rank < 0:
+            raise ValueError(f"QuantConfig.scale_rank={self.scale_rank}: use 0 (off) or a positive rank")
+        for item in self.overrides:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], QuantConfig)):
+                raise ValueError(f"QuantConfig.overrides entry {item!r}: use (pattern, QuantConfig) pairs")
 
     @property
     def qmin(self) -> int:
@@ -49,8 +74,18 @@ class QuantConfig:
     def qmax(self) -> int:
         return 2 ** (self.bits - 1) - 1 if self.symmetric else 2**self.bits - 1
 
+    def for_module(self, name: str) -> "QuantConfig | None":
+        """The config that applies to module `name` (an override, or self), or None if it stays full precision."""
+        if any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
+            return None
+        for pattern, override in self.overrides:
+            if fnmatch.fnmatchcase(name, pattern):
+                return override.for_module(name)
+        return self if any(fnmatch.fnmatchcase(name, p) for p in self.include) else None
 
-# The one preset table every CLI reads. Asymmetric (scale + zero) matches the RTN baselines we report.
+
+# The one preset table every CLI reads. int presets are asymmetric (scale + zero), as the RTN baselines we
+# report; `l*` presets are 2^b-entry LUTs (one k-means codebook per tensor) with per-group absmax scales.
 PRESETS: dict[str, QuantConfig] = {
     "w2g32": QuantConfig(bits=2, group_size=32),
     "w2g64": QuantConfig(bits=2, group_size=64),
@@ -60,6 +95,9 @@ PRESETS: dict[str, QuantConfig] = {
     "w4g64": QuantConfig(bits=4, group_size=64),
     "w4pc": QuantConfig(bits=4, group_size=None),
     "w8pc": QuantConfig(bits=8, group_size=None),
+    "lut2g32": QuantConfig(bits=2, group_size=32, scheme="lut", init="mse"),  # k-means codebook
+    "lut3g64": QuantConfig(bits=3, group_size=64, scheme="lut", init="mse"),
+    "lut4g64": QuantConfig(bits=4, group_size=64, scheme="lut", init="mse"),
 }
 
 
@@ -71,54 +109,89 @@ def get_preset(name: str) -> QuantConfig:
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    # Forward: round; backward: identity (straight-through estimator).
+    # Forward: round (bit-exact: x + (round(x) - x) == round(x) in floating point); backward: identity.
     return x + (torch.round(x) - x).detach()
 
 
-def rtn_scale_zero(weight: torch.Tensor, cfg: QuantConfig, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest initialisation: min/max per group.
+def _fp16_ste(x: torch.Tensor) -> torch.Tensor:
+    # Forward: the nearest fp16 value (what the export stores); backward: identity, so fp32 Adam state keeps
+    # accumulating sub-fp16 updates.
+    return x + (quant_init.snap_fp16(x) - x).detach()
+
+
+def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+    """Per-group scales, optionally times low-rank factors; the one formula training and export share.
 
     Args:
-        weight: [out, in] full-precision weight.
+        scale: [out, groups]; scale_a: [out, r] or None; scale_b: [r, in] or None.
     Returns:
-        scale, zero: [out, in // group_size] each (zero is all 0 when symmetric).
+        [out, groups, 1] (no low-rank factors) or [out, groups, G].
     """
-    w = weight.detach().float().reshape(weight.shape[0], -1, group_size)  # [out, groups, G]
-    if cfg.symmetric:
-        scale = w.abs().amax(-1) / ((cfg.qmax - cfg.qmin) / 2)
-        zero = torch.zeros_like(scale)
-    else:
-        wmin = w.amin(-1).clamp(max=0)
-        wmax = w.amax(-1).clamp(min=0)
-        scale = (wmax - wmin) / (cfg.qmax - cfg.qmin)
-        zero = torch.round(-wmin / scale.clamp(min=1e-12)).clamp(cfg.qmin, cfg.qmax)
-    scale = scale.clamp(min=torch.finfo(torch.float32).tiny * 1e6)  # all-zero groups stay finite
-    return scale, zero
+    s = _fp16_ste(scale).unsqueeze(-1)
+    if scale_a is None:
+        return s
+    low_rank = _fp16_ste(scale_a) @ _fp16_ste(scale_b)  # [out, in]: one small matmul, not r big ones
+    return s * (1.0 + low_rank.reshape(s.shape[0], s.shape[1], group_size))
 
 
 def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
     """Wq = s * (clamp(round(W/s) + round(z), qmin, qmax) - round(z)), group-wise, STE on both rounds.
 
     Args:
-        weight: [out, in]; scale, zero: [out, groups] with in % groups == 0.
+        weight: [out, in]; scale: [out, groups] or [out, groups, G|1]; zero: [out, groups].
     Returns:
         [out, in] fake-quantised weight in weight's dtype.
     """
     out_features, in_features = weight.shape
-    groups = scale.shape[1]
+    groups = zero.shape[1]
     w = weight.reshape(out_features, groups, in_features // groups)
-    s = scale.unsqueeze(-1)
+    s = scale.unsqueeze(-1) if scale.dim() == 2 else scale
     z = _round_ste(zero).unsqueeze(-1)
     q = torch.clamp(_round_ste(w / s) + z, qmin, qmax)
     return ((q - z) * s).reshape(out_features, in_features).to(weight.dtype)
 
 
+def _lut_lookup(v: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest codebook entry of each value, without data-dependent shapes (sort + searchsorted).
+
+    Args:
+        v: [out, groups, G]; codebook: [1, 1, K] or [out, groups, K].
+    Returns:
+        (values [out, groups, G], differentiable w.r.t. codebook; codes [out, groups, G] int64 into codebook)
+    """
+    ordered, order = codebook.sort(-1)
+    ordered = ordered.expand(v.shape[0], v.shape[1], -1)
+    mids = (ordered[..., 1:] + ordered[..., :-1]) / 2
+    pos = torch.searchsorted(mids.detach().contiguous(), v.detach().contiguous())
+    return ordered.gather(-1, pos), order.expand(v.shape[0], v.shape[1], -1).gather(-1, pos)
+
+
+def fake_quantize_lut(weight: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Wq = s * LUT[nearest(W / s)]; STE passes W/s through (inside the codebook's range) to W and s.
+
+    Args:
+        weight: [out, in]; scale: [out, groups, G|1]; codebook: [1, 1, K] or [out, groups, K].
+    Returns:
+        [out, in] in weight's dtype.
+    """
+    out_features, in_features = weight.shape
+    v = weight.reshape(out_features, scale.shape[1], -1) / scale
+    values, _ = _lut_lookup(v, codebook)
+    lo = codebook.detach().amin(-1, keepdim=True)
+    hi = codebook.detach().amax(-1, keepdim=True)
+    vc = torch.clamp(v, lo, hi)
+    q = values + (vc - vc.detach())  # forward: exactly values; backward: d/dv = 1 inside the range
+    return (q * scale).reshape(out_features, in_features).to(weight.dtype)
+
+
 class FakeQuantLinear(nn.Linear):
-    """An nn.Linear whose forward uses the group-wise fake-quantised weight.
+    """An nn.Linear whose forward uses the fake-quantised weight (int or LUT scheme).
 
     It stays an nn.Linear subclass so PEFT's LoRA wraps it as it would any Linear. `weight` is the latent
-    full-precision weight; `scale` and `zero` ([out, in // group_size]) are parameters. When none of the
-    three requires grad (the recovery-LoRA preset), Wq is computed once and reused until one changes.
+    full-precision weight; `scale` ([out, groups]) and, per scheme, `zero` ([out, groups]), `codebook`
+    ([1, 1, 2^b] or [out, groups, 2^b]), `scale_a`/`scale_b` ([out, r], [r, in]) are parameters. When none
+    requires grad (the recovery-LoRA preset), Wq is computed once and reused until one of them changes.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: QuantConfig, group_size: int,
@@ -127,38 +200,101 @@ class FakeQuantLinear(nn.Linear):
         self.cfg = cfg
         self.group_size = group_size
         groups = in_features // group_size
-        self.scale = nn.Parameter(torch.ones(out_features, groups, device=device, dtype=torch.float32))
-        self.zero = nn.Parameter(torch.zeros(out_features, groups, device=device, dtype=torch.float32))
+        f32 = dict(device=device, dtype=torch.float32)
+        self.scale = nn.Parameter(torch.ones(out_features, groups, **f32))
+        if cfg.scheme == "int":
+            self.zero = nn.Parameter(torch.zeros(out_features, groups, **f32))
+        else:
+            shape = (out_features, groups) if cfg.codebook == "group" else (1, 1)
+            self.codebook = nn.Parameter(torch.zeros(*shape, 2**cfg.bits, **f32))
+        if cfg.scale_rank:
+            self.scale_a = nn.Parameter(torch.zeros(out_features, cfg.scale_rank, **f32))
+            self.scale_b = nn.Parameter(torch.zeros(cfg.scale_rank, in_features, **f32))
         self._cached_wq: torch.Tensor | None = None
         self._cache_key: tuple | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, cfg: QuantConfig, name: str = "") -> "FakeQuantLinear":
-        """Wrap `linear` (sharing its weight and bias tensors) with RTN-initialised scales."""
+    def from_linear(cls, linear: nn.Linear, cfg: QuantConfig, name: str = "",
+                    importance: torch.Tensor | None = None) -> "FakeQuantLinear":
+        """Wrap `linear` (sharing its weight and bias tensors), initialised by `cfg.init`.
+
+        Args:
+            importance: optional [in] per-column weights for the data-aware initialisation.
+        """
         group_size = linear.in_features if cfg.group_size is None else cfg.group_size
         if linear.in_features % group_size:
             raise ValueError(f"group size {group_size} does not divide in_features={linear.in_features} of layer "
                              f"{name or repr(linear)}; pick a group size that divides it or per-channel (group_size=None)")
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, cfg, group_size,
-                  device="meta")
+                  device="meta")  # no throw-away allocation: every tensor is replaced below
         new.weight = linear.weight
         new.bias = linear.bias
-        scale, zero = rtn_scale_zero(linear.weight, cfg, group_size)
-        new.scale = nn.Parameter(scale.to(linear.weight.device), requires_grad=False)
-        new.zero = nn.Parameter(zero.to(linear.weight.device), requires_grad=False)
+        new.init_quantizer_(importance)
         return new
+
+    def quant_parameters(self) -> dict[str, nn.Parameter]:
+        """The quantiser's own parameters by attribute name (scale, zero | codebook, scale_a, scale_b)."""
+        names = ("scale", "zero", "codebook", "scale_a", "scale_b")
+        return {n: getattr(self, n) for n in names if isinstance(getattr(self, n, None), nn.Parameter)}
+
+    @torch.no_grad()
+    def init_quantizer_(self, importance: torch.Tensor | None = None) -> None:
+        """(Re)initialise the quantiser from the latent weight, frozen; runs on the CPU, once, before training
+        (it replaces the parameter objects: build the optimizer afterwards)."""
+        cfg, w, g = self.cfg, self.weight.detach().cpu().float(), self.group_size
+        imp = None if importance is None else importance.detach().cpu()
+        values: dict[str, torch.Tensor] = {}
+        if cfg.scheme == "int":
+            init = quant_init.mse_scale_zero if cfg.init == "mse" else quant_init.rtn_scale_zero
+            values["scale"], values["zero"] = init(w, cfg.bits, cfg.symmetric, g, *([imp] if cfg.init == "mse" else []))
+        else:
+            values["scale"] = quant_init.lut_scale(w, g)
+            per_group = cfg.codebook == "group"
+            values["codebook"] = (
+                quant_init.kmeans_codebook(w, values["scale"], cfg.bits, g, per_group, imp) if cfg.init == "mse"
+                else quant_init.uniform_codebook(cfg.bits, tuple(values["scale"].shape) if per_group else None))
+        if cfg.scale_rank:  # A small and random, B zero: starts at s, and B gets a gradient at once (as LoRA)
+            generator = torch.Generator().manual_seed(0)
+            a = torch.randn(self.out_features, cfg.scale_rank, generator=generator) / cfg.scale_rank**0.5
+            values["scale_a"] = quant_init.snap_fp16(a * 0.01)
+            values["scale_b"] = torch.zeros(cfg.scale_rank, self.in_features)
+        for name, value in values.items():
+            setattr(self, name, nn.Parameter(value.to(self.weight.device), requires_grad=False))
+        self._cached_wq = None
+
+    def _scale(self) -> torch.Tensor:
+        return effective_scale(self.scale, getattr(self, "scale_a", None), getattr(self, "scale_b", None),
+                               self.group_size)
+
+    def _fake_quantize(self) -> torch.Tensor:
+        if self.cfg.scheme == "int":
+            return fake_quantize(self.weight, self._scale(), self.zero, self.cfg.qmin, self.cfg.qmax)
+        return fake_quantize_lut(self.weight, self._scale(), _fp16_ste(self.codebook))
 
     def quantized_weight(self) -> torch.Tensor:
         """The [out, in] fake-quantised weight used by forward."""
-        if self.weight.requires_grad or self.scale.requires_grad or self.zero.requires_grad:
+        params = [self.weight, *self.quant_parameters().values()]
+        if any(p.requires_grad for p in params):
             self._cached_wq = None
-            return fake_quantize(self.weight, self.scale, self.zero, self.cfg.qmin, self.cfg.qmax)
-        key = (self.weight._version, self.scale._version, self.zero._version, self.weight.device, self.weight.dtype)
+            return self._fake_quantize()
+        key = (*(p._version for p in params), self.weight.device, self.weight.dtype)
         if self._cached_wq is None or key != self._cache_key:
             with torch.no_grad():
-                self._cached_wq = fake_quantize(self.weight, self.scale, self.zero, self.cfg.qmin, self.cfg.qmax)
+                self._cached_wq = self._fake_quantize()
             self._cache_key = key
         return self._cached_wq
+
+    @torch.no_grad()
+    def codes(self) -> torch.Tensor:
+        """Integer codes [out, in] (uint8, in [0, 2^bits)) that `dequantize` maps back to `quantized_weight()`."""
+        w = self.weight.float().reshape(self.out_features, -1, self.group_size)
+        s = self._scale()
+        if self.cfg.scheme == "int":
+            z = torch.round(self.zero).unsqueeze(-1)
+            q = torch.clamp(torch.round(w / s) + z, self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
+        else:
+            _, q = _lut_lookup(w / s, quant_init.snap_fp16(self.codebook))
+        return q.reshape(self.out_features, self.in_features).to(torch.uint8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.quantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -178,40 +314,150 @@ class FakeQuantLinear(nn.Linear):
         return linear
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, bits={self.cfg.bits}, group_size={self.group_size}, symmetric={self.cfg.symmetric}"
+        cfg = self.cfg
+        return (f"{super().extra_repr()}, scheme={cfg.scheme}, bits={cfg.bits}, group_size={self.group_size}, "
+                f"symmetric={cfg.symmetric}, scale_rank={cfg.scale_rank}")
 
 
-def _excluded(name: str, cfg: QuantConfig) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in cfg.exclude)
+def dequantize(codes: torch.Tensor, cfg: QuantConfig, group_size: int, scale: torch.Tensor,
+               zero: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
+               scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild Wq from integer codes with the same arithmetic as the training-time forward (bit-exact).
+
+    Args:
+        codes: [out, in] integers in [0, 2^bits); scale: [out, groups]; zero: [out, groups] (int scheme);
+            codebook: [1, 1, K] or [out, groups, K] (lut); scale_a/scale_b: low-rank factors or None.
+    Returns:
+        [out, in] float32.
+    """
+    f32 = [None if t is None else t.float() for t in (scale, zero, codebook, scale_a, scale_b)]
+    scale, zero, codebook, scale_a, scale_b = f32
+    out_features, in_features = codes.shape
+    s = effective_scale(scale, scale_a, scale_b, group_size)
+    c = codes.long().reshape(out_features, -1, group_size)
+    if cfg.scheme == "int":
+        z = torch.round(zero).unsqueeze(-1)
+        wq = ((c + cfg.qmin).float() - z) * s
+    else:
+        wq = codebook.expand(out_features, c.shape[1], -1).gather(-1, c) * s
+    return wq.reshape(out_features, in_features)
 
 
-def quantize_(model: nn.Module, config: QuantConfig | str) -> nn.Module:
-    """Replace every nn.Linear of `model` (not excluded by `config.exclude`) by a FakeQuantLinear, in place.
+def quantize_(model: nn.Module, config: QuantConfig | str,
+              importance: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Replace every nn.Linear of `model` selected by `config` (include/exclude/overrides) by a
+    FakeQuantLinear, in place. Works on any transformers causal LM made of nn.Linear.
 
+    Args:
+        config: a QuantConfig or a preset name.
+        importance: optional {module name: [in] column weights} for data-aware init (see `calibrate`).
     Raises:
         ValueError: unknown preset name, or a group size that does not divide a layer's width (names the layer).
     """
     cfg = get_preset(config) if isinstance(config, str) else config
-    targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is nn.Linear and not _excluded(name, cfg)]
+    targets = [(name, module, cfg.for_module(name)) for name, module in model.named_modules()
+               if type(module) is nn.Linear]
+    targets = [t for t in targets if t[2] is not None]
     if not targets:
         raise ValueError("quantize_ found no nn.Linear to quantise (all excluded, or already quantised)")
-    for name, linear in targets:
+    for name, linear, layer_cfg in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FakeQuantLinear.from_linear(linear, cfg, name))
+        imp = None if importance is None else importance.get(name)
+        setattr(parent, child, FakeQuantLinear.from_linear(linear, layer_cfg, name, imp))
     return model
 
 
-def quantizer_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Scales and zero points of every FakeQuantLinear (what the `qat` preset trains)."""
-    params: list[nn.Parameter] = []
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantConfig | str) -> dict[str, torch.Tensor]:
+    """Mean squared input activation per column of every Linear `config` would quantise (data-aware init).
+
+    Args:
+        batches: input_ids tensors [B, L] run through the full-precision model.
+    Returns:
+        {module name: [in] float32} to pass to `quantize_(..., importance=...)`.
+    """
+    cfg = get_preset(config) if isinstance(config, str) else config
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook(name):
+        def accumulate(module, inputs, output):
+            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
+            sums[name] = sums.get(name, 0) + (x * x).sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return accumulate
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
+               if type(m) is nn.Linear and cfg.for_module(n) is not None]
+    try:
+        for input_ids in batches:
+            model(input_ids=input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: (sums[name] / counts[name]).cpu() for name in sums}
+
+
+PARAMETER_GROUPS = ("weights", "scales", "zeros", "codebooks", "lora")
+
+
+def parameter_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Parameters by role, for the trainer to choose what trains (and give each group its own lr).
+
+    Returns:
+        {"weights": latent weights of quantised linears, "scales": scales and low-rank scale factors,
+         "zeros": zero points, "codebooks": LUT values, "lora": PEFT adapter parameters}.
+    """
+    groups: dict[str, list[nn.Parameter]] = {k: [] for k in PARAMETER_GROUPS}
+    role = {"scale": "scales", "scale_a": "scales", "scale_b": "scales", "zero": "zeros", "codebook": "codebooks"}
     for module in model.modules():
         if isinstance(module, FakeQuantLinear):
-            params += [module.scale, module.zero]
-    return params
+            groups["weights"].append(module.weight)
+            for name, p in module.quant_parameters().items():
+                groups[role[name]].append(p)
+    groups["lora"] = [p for n, p in model.named_parameters() if "lora_" in n]
+    return groups
+
+
+def set_trainable_(model: nn.Module, groups: Iterable[str]) -> list[nn.Parameter]:
+    """Make exactly the named parameter groups trainable (others in those roles frozen); returns them.
+
+    Raises:
+        ValueError: an unknown group name.
+    """
+    groups = set(groups)
+    unknown = groups - set(PARAMETER_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown parameter group(s) {sorted(unknown)}; choose from {', '.join(PARAMETER_GROUPS)}")
+    trainable = []
+    for name, params in parameter_groups(model).items():
+        for p in params:
+            p.requires_grad_(name in groups)
+        trainable += params if name in groups else []
+    return trainable
+
+
+def quantizer_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every quantiser parameter of every FakeQuantLinear (scales, zeros, codebooks, low-rank factors)."""
+    return [p for m in model.modules() if isinstance(m, FakeQuantLinear) for p in m.quant_parameters().values()]
 
 
 def quant_config_dict(cfg: QuantConfig) -> dict:
-    """JSON-friendly form of a QuantConfig (for run configs and manifests)."""
-    return {"bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric, "exclude": list(cfg.exclude)}
+    """JSON-friendly form of a QuantConfig (for run configs, manifests and the export header)."""
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    out["include"], out["exclude"] = list(cfg.include), list(cfg.exclude)
+    out["overrides"] = [[pattern, quant_config_dict(c)] for pattern, c in cfg.overrides]
+    return out
+
+
+def quant_config_from_dict(data: dict) -> QuantConfig:
+    """Inverse of `quant_config_dict`."""
+    data = dict(data)
+    data["include"] = tuple(data.get("include", ("*",)))
+    data["exclude"] = tuple(data.get("exclude", ()))
+    data["overrides"] = tuple((p, quant_config_from_dict(c)) for p, c in data.get("overrides", ()))
+    return replace(QuantConfig(), **data)
+
+
+rtn_scale_zero = quant_init.rtn_scale_zero  # kept importable from here

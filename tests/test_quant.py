@@ -11,18 +11,18 @@ from qat_lora.quant import (PRESETS, FakeQuantLinear, QuantConfig, fake_quantize
 
 
 def _reference_fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch.Tensor:
-    """Straightforward float64 RTN quantise-dequantise, one group at a time."""
+    """Straightforward float64 RTN quantise-dequantise, one group at a time, scales rounded to fp16."""
     out = torch.empty_like(w, dtype=torch.float64)
     for r in range(w.shape[0]):
         for g in range(0, w.shape[1], group):
             x = w[r, g:g + group].double()
             if symmetric:
                 qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-                s, z = x.abs().max() / ((qmax - qmin) / 2), 0.0
+                s, z = (x.abs().max() / ((qmax - qmin) / 2)).half().double(), 0.0
             else:
                 qmin, qmax = 0, 2**bits - 1
                 lo, hi = min(x.min(), 0.0), max(x.max(), 0.0)
-                s = (hi - lo) / qmax
+                s = ((hi - lo) / qmax).half().double()
                 z = float(torch.round(-lo / s).clamp(qmin, qmax))
             out[r, g:g + group] = s * (torch.clamp(torch.round(x / s) + z, qmin, qmax) - z)
     return out
@@ -32,7 +32,8 @@ def _reference_fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: boo
 def test_fake_quant_matches_reference_and_stays_on_grid(bits, group, symmetric):
     torch.manual_seed(0)
     linear = nn.Linear(32, 6)
-    layer = FakeQuantLinear.from_linear(linear, QuantConfig(bits=bits, group_size=group, symmetric=symmetric))
+    cfg = QuantConfig(bits=bits, group_size=group, symmetric=symmetric, init="rtn")
+    layer = FakeQuantLinear.from_linear(linear, cfg)
     wq = layer.quantized_weight()
     torch.testing.assert_close(wq.double(), _reference_fake_quant(linear.weight.detach(), bits, group, symmetric),
                                atol=1e-6, rtol=1e-5)
@@ -104,3 +105,228 @@ def test_cached_weight_follows_parameter_updates():
     with torch.no_grad():
         layer.scale.mul_(2.0)
     assert not torch.equal(before, layer.quantized_weight())
+
+
+# --- issue 4: schemes, initialisation, gradients, parameter groups -------------------------------------------
+
+from qat_lora import quant_init  # noqa: E402
+from qat_lora.quant import (calibrate, dequantize, parameter_groups, quant_config_dict,  # noqa: E402
+                            quant_config_from_dict, set_trainable_)
+
+SCHEME_CASES = {
+    "int-asym": QuantConfig(bits=3, group_size=8, init="mse"),
+    "int-sym": QuantConfig(bits=4, group_size=8, symmetric=True),
+    "int-pc-rtn": QuantConfig(bits=2, group_size=None, init="rtn"),
+    "lut-tensor": QuantConfig(bits=2, group_size=8, scheme="lut"),
+    "lut-group": QuantConfig(bits=3, group_size=8, scheme="lut", codebook="group"),
+    "lut-uniform": QuantConfig(bits=2, group_size=8, scheme="lut", init="rtn"),
+    "int-lowrank": QuantConfig(bits=2, group_size=8, scale_rank=2),
+    "lut-lowrank": QuantConfig(bits=2, group_size=8, scheme="lut", scale_rank=2),
+}
+
+
+def _layer(cfg: QuantConfig, seed: int = 0, in_features: int = 16, out_features: int = 4) -> FakeQuantLinear:
+    torch.manual_seed(seed)
+    layer = FakeQuantLinear.from_linear(nn.Linear(in_features, out_features), cfg)
+    if cfg.scale_rank:  # B = 0 at init; make it non-zero so A's gradient is exercised too
+        with torch.no_grad():
+            layer.scale_b.copy_(quant_init.snap_fp16(torch.randn_like(layer.scale_b) * 0.1))
+    return layer
+
+
+@pytest.mark.parametrize("case", SCHEME_CASES)
+def test_codes_in_range_and_dequantize_equals_fake_quant_exactly(case):
+    cfg = SCHEME_CASES[case]
+    layer = _layer(cfg)
+    codes = layer.codes()
+    assert codes.dtype == torch.uint8 and codes.shape == layer.weight.shape
+    assert int(codes.max()) < 2**cfg.bits
+    parts = {k: p.detach().half() for k, p in layer.quant_parameters().items()}  # what the export stores
+    assert torch.equal(dequantize(codes, cfg, layer.group_size, **parts), layer.quantized_weight())
+    if not cfg.scale_rank:  # low-rank scales vary per element, so only the codes are on a 2^b grid
+        assert len(torch.unique(layer.quantized_weight().reshape(4, -1, layer.group_size)[0, 0])) <= 2**cfg.bits
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scheme="fp4"), "scheme='fp4'"), (dict(init="gptq"), "init='gptq'"),
+    (dict(scheme="lut", symmetric=True), "drop symmetric"), (dict(scale_rank=-1), "scale_rank=-1"),
+    (dict(codebook="row"), "codebook='row'"), (dict(overrides=(("*.mlp.*", {"bits": 2}),)), "overrides entry"),
+    (dict(bits=5), "bits=5"),
+])
+def test_config_errors_name_the_field_and_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantConfig(**kwargs)
+
+
+def test_config_dict_round_trips_with_overrides():
+    cfg = QuantConfig(bits=3, include=("*.self_attn.*", "*.mlp.*"),
+                      overrides=(("*.mlp.*", QuantConfig(bits=2, scheme="lut", group_size=32)),))
+    assert quant_config_from_dict(quant_config_dict(cfg)) == cfg
+    assert cfg.for_module("model.layers.0.mlp.up_proj").scheme == "lut"
+    assert cfg.for_module("model.layers.0.self_attn.q_proj") is cfg
+    assert cfg.for_module("lm_head") is None and cfg.for_module("model.other") is None
+
+
+@pytest.mark.parametrize("arch_fixture", ["teacher_dir", "qwen3_dir"])
+def test_include_exclude_and_overrides_on_real_architectures(arch_fixture, request):
+    model = load_causal_lm(request.getfixturevalue(arch_fixture))
+    cfg = QuantConfig(bits=3, group_size=32, include=("*.self_attn.*", "*.mlp.*"), exclude=("*.o_proj", "lm_head"),
+                      overrides=(("*.mlp.*", QuantConfig(bits=2, group_size=32, scheme="lut")),))
+    quantize_(model, cfg)
+    layer = model.model.layers[1]
+    assert layer.self_attn.q_proj.cfg.scheme == "int" and layer.self_attn.q_proj.cfg.bits == 3
+    assert layer.mlp.down_proj.cfg.scheme == "lut" and layer.mlp.down_proj.codebook.shape == (1, 1, 4)
+    assert type(layer.self_attn.o_proj) is nn.Linear and type(model.lm_head) is nn.Linear
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+@pytest.mark.parametrize("bits,symmetric", [(2, False), (3, False), (4, True)])
+def test_mse_clipping_never_worse_than_rtn_and_better_overall(bits, symmetric):
+    torch.manual_seed(3)
+    w = torch.randn(32, 128) * torch.rand(32, 1)  # heavy-ish tails across rows
+    err = {}
+    for init in ("rtn", "mse"):
+        cfg = QuantConfig(bits=bits, group_size=32, symmetric=symmetric, init=init)
+        layer = FakeQuantLinear.from_linear(nn.Linear(128, 32), cfg)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        layer.init_quantizer_()
+        err[init] = ((layer.quantized_weight() - w) ** 2).reshape(32, 4, 32).sum(-1)
+    assert (err["mse"] <= err["rtn"] + 1e-7).all()
+    assert err["mse"].sum() < 0.95 * err["rtn"].sum()
+
+
+def test_kmeans_codebook_beats_uniform_grid():
+    torch.manual_seed(4)
+    lin = nn.Linear(128, 32)
+    errs = {init: float(((FakeQuantLinear.from_linear(lin, QuantConfig(bits=2, group_size=32, scheme="lut", init=init))
+                          .quantized_weight() - lin.weight.detach()) ** 2).sum()) for init in ("rtn", "mse")}
+    assert errs["mse"] < errs["rtn"]
+
+
+def test_weighted_kmeans_matches_float64_lloyd_fixed_point():
+    x = torch.tensor([[0.0, 0.1, 0.2, 1.0, 1.1, 5.0]], dtype=torch.float64)
+    w = torch.tensor([[1.0, 1.0, 2.0, 1.0, 3.0, 1.0]], dtype=torch.float64)
+    centroids = quant_init.weighted_kmeans_1d(x, w, 3)
+    expected = torch.tensor([[(0.0 + 0.1 + 0.4) / 4, (1.0 + 3.3) / 4, 5.0]], dtype=torch.float64)
+    torch.testing.assert_close(centroids, expected)
+
+
+def test_data_aware_init_lowers_activation_weighted_error(teacher_dir, tokenizer):
+    model = load_causal_lm(teacher_dir)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    importance = calibrate(model, [ids], "w2g32")
+    assert set(importance) == {n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"}
+    name = "model.layers.0.mlp.down_proj"
+    weight = model.get_submodule(name).weight.detach().clone()
+    imp = importance[name]
+    assert imp.shape == (weight.shape[1],) and (imp > 0).all()
+
+    def weighted_error(layer_importance):
+        lin = nn.Linear(weight.shape[1], weight.shape[0])
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+        cfg = QuantConfig(bits=2, group_size=32, init="mse")  # the importance weights the clipping search
+        wq = FakeQuantLinear.from_linear(lin, cfg, importance=layer_importance).quantized_weight()
+        return float((((wq - weight) ** 2) * imp).sum())
+
+    assert weighted_error(imp) < weighted_error(None)
+
+
+def _ste_surrogate(layer: FakeQuantLinear, params: dict[str, torch.Tensor], frozen: dict) -> torch.Tensor:
+    """Float64 reference for the function whose gradient LSQ's STE defines: codes frozen at the current
+    parameters, W/s passed straight through where the clamp lets it (Esser et al., 2020, eq. 3)."""
+    w = layer.weight.detach().double().reshape(layer.out_features, -1, layer.group_size)
+    s = params["scale"].unsqueeze(-1)
+    if "scale_a" in params:
+        s = s * (1 + (params["scale_a"] @ params["scale_b"]).reshape(w.shape))
+    s0 = frozen["s"]
+    through = frozen["mask"] * (w / s - w / s0)
+    if layer.cfg.scheme == "int":
+        z = frozen["z"] + (params["zero"] - frozen["zero"]).unsqueeze(-1)  # round(z) passes straight through
+        q = frozen["mask"] * (frozen["r"] + z) + (1 - frozen["mask"]) * frozen["qc"]
+        return s * (q - z + through)
+    values = params["codebook"].expand(w.shape[0], w.shape[1], -1).gather(-1, frozen["idx"])
+    return s * (values + through)
+
+
+def _frozen_state(layer: FakeQuantLinear) -> dict:
+    with torch.no_grad():
+        w = layer.weight.double().reshape(layer.out_features, -1, layer.group_size)
+        s0 = layer._scale().double().expand_as(w)
+        if layer.cfg.scheme == "int":
+            z = torch.round(layer.zero.double()).unsqueeze(-1)
+            r = torch.round(w / s0)
+            mask = ((r + z >= layer.cfg.qmin) & (r + z <= layer.cfg.qmax)).double()
+            return {"s": s0, "z": z, "r": r, "zero": layer.zero.detach().double().clone(), "qc": (r + z).clamp(layer.cfg.qmin, layer.cfg.qmax), "mask": mask}
+        cb = layer.codebook.double()
+        v = w / s0
+        idx = (v.unsqueeze(-1) - cb.unsqueeze(-2)).abs().argmin(-1)
+        mask = ((v >= cb.amin(-1, keepdim=True)) & (v <= cb.amax(-1, keepdim=True))).double()
+        return {"s": s0, "idx": idx, "mask": mask}
+
+
+@pytest.mark.parametrize("case", SCHEME_CASES)
+def test_quantiser_gradients_match_finite_differences(case):
+    layer = _layer(SCHEME_CASES[case], seed=5).double()
+    for p in layer.quant_parameters().values():
+        p.requires_grad_(True)
+    x = torch.randn(6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    upstream = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    (layer(x) * upstream).sum().backward()
+    frozen = _frozen_state(layer)
+    base = {k: p.detach().clone() for k, p in layer.quant_parameters().items()}
+
+    def objective(params):
+        wq = _ste_surrogate(layer, params, frozen).reshape(4, 16)
+        return float(((x @ wq.T + layer.bias.detach()) * upstream).sum())
+
+    eps = 1e-6
+    for name, value in base.items():
+        numeric = torch.zeros_like(value).reshape(-1)
+        for i in range(value.numel()):
+            plus, minus = value.clone().reshape(-1), value.clone().reshape(-1)
+            plus[i] += eps
+            minus[i] -= eps
+            numeric[i] = (objective({**base, name: plus.reshape(value.shape)}) -
+                          objective({**base, name: minus.reshape(value.shape)})) / (2 * eps)
+        grad = getattr(layer, name).grad
+        torch.testing.assert_close(grad, numeric.reshape(value.shape), atol=1e-6, rtol=1e-6, msg=f"{case}: {name}")
+        if name in ("scale", "codebook", "scale_b"):
+            assert grad.abs().sum() > 0, f"{case}: {name} gets no gradient"
+
+
+def test_fp16_snapping_is_exact_and_passes_gradients():
+    layer = _layer(SCHEME_CASES["int-asym"])
+    with torch.no_grad():
+        layer.scale.add_(1e-5)  # an update too small for fp16 accumulates in the fp32 parameter...
+    snapped = layer.scale.detach().half().float()
+    expected = fake_quantize(layer.weight, snapped, layer.zero, layer.cfg.qmin, layer.cfg.qmax)
+    assert torch.equal(layer.quantized_weight(), expected)  # ...but the forward uses the fp16 value
+
+
+def test_parameter_groups_and_set_trainable():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+    quantize_(model, QuantConfig(bits=2, group_size=8, exclude=(), overrides=(
+        ("1", QuantConfig(bits=2, group_size=8, scheme="lut", scale_rank=2)),)))
+    groups = parameter_groups(model)
+    assert [len(groups[k]) for k in ("weights", "scales", "zeros", "codebooks", "lora")] == [2, 4, 1, 1, 0]
+    trainable = set_trainable_(model, ["scales", "codebooks"])
+    assert len(trainable) == 5 and not model[0].weight.requires_grad and model[1].codebook.requires_grad
+    model(torch.randn(3, 16)).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in [model[0].scale, model[1].codebook])
+    with pytest.raises(ValueError, match="unknown parameter group"):
+        set_trainable_(model, ["biases"])
+
+
+@pytest.mark.parametrize("preset", ["lut2g32", "w2g32"])
+def test_peft_lora_wraps_every_quantised_linear(teacher_dir, preset):
+    from qat_lora.lora import add_recovery_lora_
+
+    student = quantize_(load_causal_lm(teacher_dir), preset)
+    names = [n for n, m in student.named_modules() if isinstance(m, FakeQuantLinear)]
+    model = add_recovery_lora_(student, r=2)
+    wrapped = [n for n, m in model.named_modules() if isinstance(getattr(m, "base_layer", None), FakeQuantLinear)]
+    assert len(wrapped) == len(names) == 14
+    assert len(parameter_groups(model)["lora"]) == 2 * len(names)

@@ -1,0 +1,272 @@
+"""Export the quantised student: the packed low-bit artefact and a dense transformers folder (DESIGN §4, §5).
+
+    qat-lora export --model M --quant w3g64 [--adapter runs/w3g64/adapter] --out exports/w3g64 [--format both]
+
+`packed/` holds `model.safetensors` with, per quantised linear, the integer codes packed to their bit width
+(`<name>.qweight`, uint8) and the fp16 `scale` / `zero` / `codebook` / `scale_a` / `scale_b`; every other tensor
+as in the model; a JSON header in the safetensors metadata (key `qat_lora`); `config.json` and the tokenizer.
+`load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
+`dense/` is a plain `save_pretrained` folder of the dequantised weights: transformers loads it without qat_lora.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import models
+from .files import atomic_write_json
+from .quant import FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict, quant_config_from_dict
+
+FORMATS = ("packed", "dense", "both")
+HEADER_KEY = "qat_lora"
+FORMAT_NAME = "qat-lora-packed"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+REPORT_FILE = "export.json"
+PACKED_DIR, DENSE_DIR, ADAPTER_DIR = "packed", "dense", "adapter"
+QUANT_TENSORS = ("scale", "zero", "codebook", "scale_a", "scale_b")
+
+
+@dataclass
+class ExportConfig:
+    model: str = field(default="", metadata={"help": "full-precision model the student was quantised from"})
+    quant: str = field(default="w3g64", metadata={"help": "quantisation preset (see `qat-lora presets`)"})
+    adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
+    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, export.json)"})
+    format: str = field(default="both", metadata={"help": "packed, dense or both"})
+    merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
+    cache: str = field(default="", metadata={"help": "KD cache: report held-out KD loss before/after the merge"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per forward for the merge report"})
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("export: --model is required (the full-precision model folder)")
+        if self.format not in FORMATS:
+            raise ValueError(f"--format {self.format}: use one of {', '.join(FORMATS)}")
+        if self.merge_adapter and not self.adapter:
+            raise ValueError("--merge-adapter needs --adapter (the run's adapter/ folder)")
+        get_preset(self.quant)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes into a little-endian bit stream, `bits` bits per code.
+
+    Args:
+        codes: any shape, integers in [0, 2^bits).
+    Returns:
+        [ceil(numel * bits / 8)] uint8.
+    """
+    flat = codes.reshape(-1).to(torch.uint8).numpy()
+    bit_planes = np.unpackbits(flat[:, None], axis=1, bitorder="little")[:, :bits]  # [N, bits]
+    return torch.from_numpy(np.packbits(bit_planes.reshape(-1), bitorder="little"))
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: [numel] uint8 codes."""
+    bit_stream = np.unpackbits(packed.numpy(), bitorder="little")[: numel * bits].reshape(numel, bits)
+    weights = (1 << np.arange(bits, dtype=np.uint16))
+    return torch.from_numpy((bit_stream.astype(np.uint16) * weights).sum(1).astype(np.uint8))
+
+
+def _quantised_layers(model: nn.Module) -> dict[str, FakeQuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+
+
+def layer_bits(layer: FakeQuantLinear) -> int:
+    """Storage bits of one quantised linear: codes at their width plus every fp16 quantiser tensor."""
+    return layer.weight.numel() * layer.cfg.bits + 16 * sum(p.numel() for p in layer.quant_parameters().values())
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    """Mean storage bits per quantised weight, scales, zeros, codebooks and low-rank factors included."""
+    layers = _quantised_layers(model).values()
+    return sum(layer_bits(m) for m in layers) / max(1, sum(m.weight.numel() for m in layers))
+
+
+def _other_tensors(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
+    """State-dict tensors outside the quantised weights, each storage once (tied embeddings share one)."""
+    out, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        if key in skip or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out[key] = tensor.detach().cpu().contiguous()
+    return out
+
+
+@torch.no_grad()
+def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, tokenizer=None) -> dict:
+    """Write the packed artefact of a fake-quant student (no PEFT wrapper) to `out_dir`.
+
+    Returns:
+        the JSON header (layers, bits per weight, file size).
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors, layers, skip = {}, {}, set()
+    for name, layer in _quantised_layers(model).items():
+        tensors[f"{name}.qweight"] = pack_codes(layer.codes().cpu(), layer.cfg.bits)
+        for key, p in layer.quant_parameters().items():
+            tensors[f"{name}.{key}"] = p.detach().cpu().to(torch.float16).contiguous()
+            skip.add(f"{name}.{key}")
+        skip.add(f"{name}.weight")
+        layers[name] = {"config": quant_config_dict(layer.cfg), "group_size": layer.group_size,
+                        "out_features": layer.out_features, "in_features": layer.in_features}
+    tensors.update(_other_tensors(model, skip))
+    header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "quant_config": quant_config_dict(quant),
+              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "layers": layers,
+              "bits_per_weight": bits_per_weight(model)}
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={HEADER_KEY: json.dumps(header)})
+    model.config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    header["bytes"] = (out_dir / WEIGHTS_FILE).stat().st_size
+    return header
+
+
+def read_packed_header(path: str | Path) -> dict:
+    """The JSON header of a packed artefact folder.
+
+    Raises:
+        ValueError: not a qat-lora packed folder, or a newer format version.
+    """
+    from safetensors import safe_open
+
+    file = Path(path) / WEIGHTS_FILE
+    if not file.exists():
+        raise ValueError(f"{path}: no {WEIGHTS_FILE}; pass the packed/ folder written by `qat-lora export`")
+    with safe_open(str(file), "pt") as f:
+        metadata = f.metadata() or {}
+    if HEADER_KEY not in metadata:
+        raise ValueError(f"{file}: no qat-lora header; it is not a packed export (load it with transformers)")
+    header = json.loads(metadata[HEADER_KEY])
+    if header.get("format") != FORMAT_NAME or header.get("version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{file}: format {header.get('format')} v{header.get('version')}; upgrade qat-lora")
+    return header
+
+
+@torch.no_grad()
+def load_packed(path: str | Path) -> nn.Module:
+    """Rebuild the fake-quant student from a packed artefact: each quantised linear's latent weight is the
+    dequantised Wq, so its forward (and further training or LoRA) starts from exactly the exported weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    header = read_packed_header(path)
+    tensors = load_file(str(Path(path) / WEIGHTS_FILE))
+    config = AutoConfig.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, header["dtype"]))
+    for name, info in header["layers"].items():
+        cfg = quant_config_from_dict(info["config"])
+        old = model.get_submodule(name)
+        layer = FakeQuantLinear(info["in_features"], info["out_features"], old.bias is not None, cfg,
+                                info["group_size"], dtype=old.weight.dtype)
+        parts = {k: tensors.pop(f"{name}.{k}") for k in QUANT_TENSORS if f"{name}.{k}" in tensors}
+        codes = unpack_codes(tensors.pop(f"{name}.qweight"), cfg.bits, layer.weight.numel())
+        wq = dequantize(codes.reshape(layer.out_features, layer.in_features), cfg, layer.group_size, **parts)
+        layer.weight = nn.Parameter(wq.to(layer.weight.dtype), requires_grad=False)
+        for key, value in parts.items():
+            setattr(layer, key, nn.Parameter(value.float(), requires_grad=False))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    quantised = {f"{n}.{k}" for n in header["layers"] for k in ("weight", *QUANT_TENSORS)}
+    tied = {k for k in missing if k not in quantised and k.endswith("lm_head.weight")
+            and getattr(config, "tie_word_embeddings", False)}
+    if unexpected or set(missing) - quantised - tied:
+        raise ValueError(f"{path}: tensors do not match the model (missing {sorted(set(missing) - quantised - tied)[:3]}, "
+                         f"unexpected {unexpected[:3]}); re-export with this qat-lora version")
+    model.tie_weights()
+    return model.eval()
+
+
+def dequantize_(model: nn.Module) -> nn.Module:
+    """Replace every FakeQuantLinear by a plain nn.Linear holding its Wq, in place (the dense export)."""
+    for name, layer in _quantised_layers(model).items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer.to_linear())
+    return model
+
+
+def save_dense(model: nn.Module, out_dir: str | Path, tokenizer=None) -> None:
+    """Dequantise `model` in place and `save_pretrained` it: loadable by plain transformers."""
+    out_dir = Path(out_dir)
+    dequantize_(model).save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+@torch.no_grad()
+def merge_lora_(peft_model) -> tuple[nn.Module, dict]:
+    """Merge each LoRA adapter into its quantised base and re-quantise with the base's scales.
+
+    Returns:
+        (the unwrapped student, {"requant_rel_error": ||Wq' - (Wq + dW)||_F / ||dW||_F over all layers,
+         "merged_layers": count}); the error is what re-quantisation adds on top of the adapter.
+    """
+    err2 = delta2 = 0.0
+    merged = 0
+    for module in peft_model.modules():
+        base = getattr(module, "base_layer", None)
+        if not isinstance(base, FakeQuantLinear) or not getattr(module, "lora_A", None):
+            continue
+        for adapter in module.active_adapters:
+            delta = module.get_delta_weight(adapter).to(base.weight.dtype)
+            target = base.quantized_weight() + delta
+            base.weight.data = target.clone()
+            base._cached_wq = None
+            err2 += float(((base.quantized_weight() - target) ** 2).sum())
+            delta2 += float((delta**2).sum())
+            merged += 1
+    student = peft_model.unload()
+    return student, {"requant_rel_error": math.sqrt(err2 / max(delta2, 1e-30)), "merged_layers": merged}
+
+
+def _kd_loss(model, cache_dir: str, batch_size: int) -> dict:
+    from .cache import KDCache
+    from .evaluate import kd_metrics
+
+    return kd_metrics(model, KDCache(cache_dir), batch_size, torch.device("cpu"))
+
+
+def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
+    """Build the student (with its adapter), optionally merge, and write the artefacts; returns the report."""
+    from .lora import load_recovery_lora
+    from .train import build_student
+
+    out = Path(cfg.out)
+    tokenizer = models.load_tokenizer(cfg.model)
+    student = build_student(cfg.model, cfg.quant)
+    report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant))}
+    if cfg.adapter:
+        student = load_recovery_lora(student, cfg.adapter).eval()
+        if cfg.merge_adapter:
+            before = _kd_loss(student, cfg.cache, cfg.batch_size) if cfg.cache else None
+            student, report["merge"] = merge_lora_(student)
+            if before is not None:
+                after = _kd_loss(student, cfg.cache, cfg.batch_size)
+                report["merge"].update(kd_kl_before=before["kd_kl"], kd_kl_after=after["kd_kl"],
+                                       kd_soft_ce_before=before["kd_soft_ce"], kd_soft_ce_after=after["kd_soft_ce"])
+        else:
+            student = student.get_base_model()
+            shutil.copytree(cfg.adapter, out / ADAPTER_DIR, dirs_exist_ok=True)
+    if cfg.format in ("packed", "both"):
+        header = save_packed(student, out / PACKED_DIR, get_preset(cfg.quant), tokenizer)
+        report["packed"] = {"bits_per_weight": header["bits_per_weight"], "bytes": header["bytes"],
+                            "layers": len(header["layers"])}
+    report["bits_per_weight"] = bits_per_weight(student)
+    if cfg.format in ("dense", "both"):
+        save_dense(student, out / DENSE_DIR, tokenizer)
+    atomic_write_json(out / REPORT_FILE, report)
+    log(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    return report

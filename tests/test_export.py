@@ -1,0 +1,147 @@
+"""Export of the quantised student: packed low-bit artefact, dense transformers folder, LoRA merge (issue 4)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qat_lora.cli import main
+from qat_lora.export import (ExportConfig, bits_per_weight, load_packed, pack_codes, read_packed_header,
+                             save_packed, unpack_codes)
+from qat_lora.lora import add_recovery_lora_
+from qat_lora.models import load_causal_lm
+from qat_lora.quant import FakeQuantLinear, QuantConfig, get_preset, quantize_
+
+PACKED_CASES = {
+    "w3g32": get_preset("w3g32"),
+    "lut2g32": get_preset("lut2g32"),
+    "mixed-lowrank": QuantConfig(bits=4, group_size=32, symmetric=True, scale_rank=2, overrides=(
+        ("*.mlp.*", QuantConfig(bits=2, group_size=None, scheme="lut", codebook="group")),)),
+}
+
+
+def _ids(model, seed=0):
+    return torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def _layers(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_pack_round_trip_uses_bit_width(bits):
+    codes = torch.randint(0, 2**bits, (1001,), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == (1001 * bits + 7) // 8
+    assert torch.equal(unpack_codes(packed, bits, 1001), codes)
+
+
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_packed_export_reloads_bit_exact(case, teacher_dir, tokenizer, tmp_path):
+    student = quantize_(load_causal_lm(teacher_dir), PACKED_CASES[case])
+    header = save_packed(student, tmp_path, PACKED_CASES[case], tokenizer)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name, layer in _layers(student).items():
+        assert tensors[f"{name}.qweight"].dtype == torch.uint8
+        assert tensors[f"{name}.scale"].dtype == torch.float16
+    reloaded = load_packed(tmp_path)
+    assert read_packed_header(tmp_path)["layers"] == header["layers"]
+    for name, layer in _layers(student).items():
+        twin = reloaded.get_submodule(name)
+        assert torch.equal(twin.quantized_weight(), layer.quantized_weight()), name
+        assert torch.equal(twin.codes(), layer.codes()), name
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=_ids(student)).logits, student(input_ids=_ids(student)).logits)
+
+
+def test_bits_per_weight_counts_scales_and_zeros(teacher_dir):
+    w2g32 = quantize_(load_causal_lm(teacher_dir), "w2g32")
+    assert bits_per_weight(w2g32) == pytest.approx(2 + 2 * 16 / 32)  # codes + fp16 scale and zero per 32
+    lut = quantize_(load_causal_lm(teacher_dir), "lut2g32")
+    weights = sum(m.weight.numel() for m in _layers(lut).values())
+    assert bits_per_weight(lut) == pytest.approx(2 + 16 / 32 + 16 * 4 * 14 / weights)  # + one 4-entry LUT per layer
+
+
+DENSE_CHECK = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file, save_file
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, attn_implementation="eager").eval()
+with torch.no_grad():
+    logits = model(input_ids=load_file(sys.argv[2])["ids"]).logits
+assert not any(name.startswith("qat_lora") for name in sys.modules)
+save_file({"logits": logits.contiguous()}, sys.argv[3])
+"""
+
+
+def test_cli_export_dense_logits_equal_fake_quant_student(teacher_dir, tmp_path):
+    assert main(["export", "--model", str(teacher_dir), "--quant", "lut2g32", "--out", str(tmp_path / "x")]) == 0
+    report = json.loads((tmp_path / "x" / "export.json").read_text())
+    assert report["packed"]["bits_per_weight"] == pytest.approx(report["bits_per_weight"]) and report["bits_per_weight"] < 2.6
+    student = quantize_(load_causal_lm(teacher_dir, attn_implementation="eager"), "lut2g32")
+    ids = _ids(student)
+    save_file({"ids": ids}, str(tmp_path / "ids.safetensors"))
+    subprocess.run([sys.executable, "-c", DENSE_CHECK, str(tmp_path / "x" / "dense"), str(tmp_path / "ids.safetensors"),
+                    str(tmp_path / "logits.safetensors")], check=True, timeout=120)
+    with torch.no_grad():
+        expected = student(input_ids=ids).logits
+    assert torch.equal(load_file(str(tmp_path / "logits.safetensors"))["logits"], expected)
+    dense = load_file(str(tmp_path / "x" / "dense" / "model.safetensors"))
+    for name, layer in _layers(load_packed(tmp_path / "x" / "packed")).items():  # packed and dense agree
+        assert torch.equal(dense[f"{name}.weight"], layer.quantized_weight()), name
+
+
+def _saved_adapter(teacher_dir, path):
+    model = add_recovery_lora_(quantize_(load_causal_lm(teacher_dir), "w3g32"), r=4)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def test_merge_requantises_and_reports_the_error(teacher_dir, tmp_path):
+    adapted = _saved_adapter(teacher_dir, tmp_path / "adapter")
+    out = tmp_path / "merged"
+    assert main(["export", "--model", str(teacher_dir), "--quant", "w3g32", "--adapter", str(tmp_path / "adapter"),
+                 "--merge-adapter", "--format", "packed", "--out", str(out)]) == 0
+    merge = json.loads((out / "export.json").read_text())["merge"]
+    assert merge["merged_layers"] == 14 and 0 < merge["requant_rel_error"] < 5
+    merged = load_packed(out / "packed")
+    ids = _ids(merged)
+    with torch.no_grad():
+        adapted_logits, merged_logits = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+        with adapted.disable_adapter():
+            base_logits = adapted(input_ids=ids).logits
+    assert not torch.equal(adapted_logits, merged_logits)  # re-quantisation changes something, but the merged
+    # student is still nearer the adapted one than the base without the adapter is
+    assert (merged_logits - adapted_logits).norm() < (base_logits - adapted_logits).norm()
+
+
+def test_unmerged_adapter_is_copied_beside_the_base(teacher_dir, tmp_path):
+    _saved_adapter(teacher_dir, tmp_path / "adapter")
+    out = tmp_path / "e"
+    assert main(["export", "--model", str(teacher_dir), "--quant", "w3g32", "--adapter", str(tmp_path / "adapter"),
+                 "--format", "dense", "--out", str(out)]) == 0
+    assert (out / "adapter" / "adapter_config.json").exists() and (out / "dense" / "config.json").exists()
+    assert not (out / "packed").exists()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(format="gguf"), "--format gguf"), (dict(merge_adapter=True), "--merge-adapter needs --adapter"),
+    (dict(quant="w5"), "unknown quantisation preset"), (dict(model=""), "--model is required"),
+])
+def test_export_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ExportConfig(**{"model": "m", **kwargs})
+
+
+def test_load_packed_rejects_a_dense_folder(teacher_dir):
+    with pytest.raises(ValueError, match="not a packed export"):
+        load_packed(teacher_dir)
