@@ -39,12 +39,6 @@ def config_from_args(cls: type, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
-def _export(args: argparse.Namespace) -> None:
-    from .export import ExportConfig, export
-
-    export(config_from_args(ExportConfig, args))
-
-
 def _fetch_assets(args: argparse.Namespace) -> None:
     from .assets import fetch_assets
 
@@ -73,10 +67,22 @@ def _eval(args: argparse.Namespace) -> None:
     evaluate(config_from_args(EvalConfig, args))
 
 
+def _export(args: argparse.Namespace) -> None:
+    from .export import ExportConfig, export
+
+    export(config_from_args(ExportConfig, args))
+
+
 def _demo(args: argparse.Namespace) -> None:
     from .demo import DemoConfig, run_demo
 
     run_demo(config_from_args(DemoConfig, args))
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from .plot import plot_run
+
+    print(plot_run(args.run_dir, args.out or None))
 
 
 def _cache_tool(args: argparse.Namespace) -> None:
@@ -133,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_dataclass_flags(p, cls)
         p.set_defaults(func=func)
     sub.add_parser("presets", help="list the quantisation presets").set_defaults(func=_presets)
+    p = sub.add_parser("plot", help="draw a run's loss and eval curves to RUN_DIR/curves.png")
+    p.add_argument("run_dir", help="run folder (holds metrics.jsonl)")
+    p.add_argument("--out", default="", help="PNG path (default: RUN_DIR/curves.png)")
+    p.set_defaults(func=_plot)
     p = sub.add_parser("cache", help="verify, inspect or merge a KD cache")
     p.add_argument("action", choices=("verify", "inspect", "merge"), help="what to do")
     p.add_argument("dir", help="cache folder")

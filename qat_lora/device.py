@@ -132,6 +132,38 @@ def compile_metrics() -> dict:
     }
 
 
+def init_xla_cache(path: str, rank: int = 0) -> None:
+    """Persistent XLA compile cache: a rerun (or a resumed run) loads its graphs instead of compiling them.
+
+    Must run before the first compile; only rank 0 writes (replicas compile the same graphs).
+    """
+    import torch_xla.runtime as xr
+
+    xr.initialize_cache(path, readonly=rank != 0)
+
+
+def memory_stats(device: torch.device) -> dict:
+    """Memory in MiB for the metrics log: device peak on CUDA, device in use on XLA, process peak RSS on the CPU.
+
+    Host-side queries only: no graph is cut and nothing is read from the device's tensors.
+    """
+    mib = 2**20
+    if device.type == "cuda":
+        return {"memory_mib": torch.cuda.max_memory_allocated(device) / mib}
+    if is_xla(device):
+        import torch_xla.core.xla_model as xm
+
+        try:
+            info = xm.get_memory_info(device)
+            used = info.get("bytes_used", (info.get("kb_total", 0) - info.get("kb_free", 0)) * 1024)
+            return {"memory_mib": used / mib}
+        except RuntimeError:  # XLA:CPU has no allocator stats: report the process, as on the CPU
+            pass
+    import resource
+
+    return {"memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
+
+
 def state_dict_to_cpu(state: dict) -> dict:
     """Tensors of a state dict moved to the CPU (save_pretrained of a model living on XLA fails otherwise)."""
     return {k: v.detach().to("cpu") if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -1,14 +1,17 @@
-"""Multi-chip recovery LoRA: `--num-chips N` plus every flag of `qat-lora train`.
+"""Multi-chip training: `--num-chips N` plus every flag of `qat-lora train`.
 
-    python scripts/train_recovery_lora_multi.py --num-chips 4 --model M --cache caches/kd --quant w3g64
+    python scripts/train_recovery_lora_multi.py --num-chips 2 --device cpu --model M --cache caches/kd --out runs/x
+    python scripts/train_recovery_lora_multi.py --num-chips 4 --device tpu --model M --cache caches/kd --out runs/x
+    torchrun --nproc-per-node 8 scripts/train_recovery_lora_multi.py --device cuda ...   # ranks from torchrun
 
-N = 1 runs the single-device trainer. N > 1 (TPU processes, XLA SPMD, torch.distributed) lands with the
-trainers issue; until then it stops with a one-line error instead of training on one chip silently.
+CUDA/CPU: N local processes through torch.distributed (NCCL/gloo); a rank that fails stops the others.
+TPU: torch_xla replicas (xm.reduce_gradients + plain optimizer.step). Each rank reads its own part of the
+cache; the global batch is N x --batch-size. --parallel spmd (one process, a sharded batch) is not built yet.
 """
 import argparse
 import sys
 
-from qat_lora.cli import main
+from qat_lora.distributed import run_multi
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -21,11 +24,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 if __name__ == "__main__":
     args, rest = _parse(sys.argv[1:])
-    if args.num_chips < 1:
-        print(f"train_recovery_lora_multi: error: --num-chips {args.num_chips}: must be >= 1", file=sys.stderr)
+    try:
+        sys.exit(run_multi(args.num_chips, args.parallel, rest))
+    except ValueError as e:
+        print(f"train_recovery_lora_multi: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if args.num_chips > 1:
-        print(f"train_recovery_lora_multi: error: --num-chips {args.num_chips}: multi-chip training is not "
-              "available yet (trainers issue); run with --num-chips 1", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(main(["train", *rest]))

@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from qat_lora.cache import CacheBuildConfig, build_cache
 
@@ -18,29 +20,92 @@ if importlib.util.find_spec("torch_xla") is None:
     pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
 
 
-def _train(tmp_path, teacher_dir, cache, device: str, steps: int) -> dict:
+def _train(tmp_path, teacher_dir, cache, device: str, steps: int, *extra: str) -> dict:
     out = tmp_path / f"run-{device}"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}
     cmd = [sys.executable, "-m", "qat_lora.cli", "train", "--model", str(teacher_dir), "--cache", str(cache),
            "--quant", "w2g32", "--out", str(out), "--max-steps", str(steps), "--batch-size", "2", "--log-steps", "1",
-           "--lr", "1e-3", "--warmup-steps", "2", "--device", device, "--attn-implementation", "eager"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           "--lr", "1e-3", "--warmup-steps", "2", "--device", device, "--attn-implementation", "eager", *extra]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"summary": json.loads((out / "summary.json").read_text()), "metrics": metrics}
+    return {"summary": json.loads((out / "summary.json").read_text()), "metrics": metrics, "out": out,
+            "stdout": result.stdout}
 
 
-def test_five_xla_steps_compile_nothing_after_step_two(tmp_path, teacher_dir, corpus_dir):
-    cache = tmp_path / "cache"
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory, teacher_dir, corpus_dir):
+    cache = tmp_path_factory.mktemp("cache")
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cache), seq_len=32,
                                  top_k=8, max_tokens=4_000, batch_size=8, device="cpu"), log=lambda _: None)
-    xla = _train(tmp_path, teacher_dir, cache, "xla", steps=5)
-    report = xla["summary"]["compile"]
-    assert xla["summary"]["device"].startswith("xla")
-    assert [m["step"] for m in xla["metrics"]] == [1, 2, 3, 4, 5]
+    return cache
+
+
+@pytest.fixture(scope="module")
+def xla_run(tmp_path_factory, teacher_dir, xla_cache):
+    # A checkpoint mid-run (device -> host copies) must not add a graph either.
+    root = tmp_path_factory.mktemp("xla")
+    return _train(root, teacher_dir, xla_cache, "xla", 20, "--save-steps", "10", "--xla-cache-dir", str(root / "xc"))
+
+
+def test_twenty_xla_steps_compile_nothing_after_step_two(tmp_path, teacher_dir, xla_cache, xla_run):
+    xla = xla_run
+    report = json.loads((xla["out"] / "compile_report.json").read_text())
+    assert xla["summary"]["device"].startswith("xla") and xla["summary"]["compile"] == report
+    assert {"graphs_compiled", "graphs_compiled_after_step_2", "compile_seconds", "cpu_fallback_ops"} <= set(report)
+    assert "compile report" in xla["stdout"]
+    assert [m["step"] for m in xla["metrics"]] == list(range(1, 21))
     assert 1 <= report["graphs_compiled"] <= 3, report
     assert report["graphs_compiled_after_step_2"] == 0, report
+    assert (xla["out"] / "checkpoint-10" / "adapter" / "adapter_model.safetensors").exists()
+    assert any((xla["out"].parent / "xc").iterdir())  # the persistent compile cache was written
     # Same seed, same data order, same LoRA init: the XLA losses follow the CPU run's.
-    cpu = _train(tmp_path, teacher_dir, cache, "cpu", steps=5)
+    cpu = _train(tmp_path, teacher_dir, xla_cache, "cpu", 20)
+    assert not (cpu["out"] / "compile_report.json").exists()
     for a, b in zip(xla["metrics"], cpu["metrics"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3, abs=1e-4)
+
+
+def _load_adapter(run) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_recovery_lora_multi.py"
+
+
+def test_spmd_over_two_devices_with_recompute_matches_one_device_with_the_whole_batch(tmp_path, teacher_dir, xla_cache, xla_run):
+    out = tmp_path / "spmd"
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    env.pop("CPU_NUM_DEVICES", None)
+    cmd = [sys.executable, str(SCRIPT), "--num-chips", "2", "--model", str(teacher_dir), "--cache", str(xla_cache),
+           "--quant", "w2g32", "--out", str(out), "--max-steps", "20", "--batch-size", "1", "--log-steps", "1",
+           "--lr", "1e-3", "--warmup-steps", "2", "--device", "xla", "--attn-implementation", "eager",
+           "--gradient-checkpointing"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "training one SPMD process over 2 devices" in result.stdout
+    report = json.loads((out / "compile_report.json").read_text())
+    assert 1 <= report["graphs_compiled"] <= 3 and report["graphs_compiled_after_step_2"] == 0, report
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tokens"] == xla_run["summary"]["tokens"]
+    # One graph over the global batch (layers recomputed in backward): the same update as one device reading
+    # both halves without recomputation.
+    a, b = _load_adapter(xla_run["out"]), _load_adapter(out)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+
+
+def test_multi_chip_xla_processes_on_a_cpu_host_are_a_one_line_error(tmp_path):
+    from qat_lora.device import _tpu_present
+
+    if _tpu_present():
+        pytest.skip("a TPU host runs XLA replicas")
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    result = subprocess.run([sys.executable, str(SCRIPT), "--num-chips", "2", "--device", "xla", "--parallel",
+                             "processes", "--out", str(tmp_path / "r")], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "train_recovery_lora_multi: error: --device xla --num-chips 2 --parallel processes: XLA:CPU replicas")

@@ -1,0 +1,191 @@
+"""Training checkpoints: plain dicts of named tensors in safetensors plus JSON, written atomically.
+
+    run/checkpoint-120/
+        trainable.safetensors   trainable parameters by model name (LoRA and/or quantiser)
+        optimizer.safetensors   optimizer state tensors, `state.{param index}.{key}`
+        rng.safetensors         `rank{r}.{generator}` RNG states of every rank
+        adapter/                the LoRA adapters as standard PEFT files (when LoRA trains)
+        state.json              step, data position, scheduler, optimizer hyper-parameters, config (written last)
+
+A checkpoint is assembled in `.checkpoint-120.tmp/` and renamed when complete, so a crash or SIGKILL never
+leaves a half checkpoint under a real name. Nothing is pickled: the optimizer's tensors are flattened into
+named tensors and its non-tensor parts go to JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PREFIX = "checkpoint-"
+TRAINABLE_FILE = "trainable.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+STATE_FILE = "state.json"
+FORMAT_VERSION = 1
+# Flags that may change between a run and its resumption without changing a single trained value.
+RESUME_FREE_FIELDS = ("out", "overwrite", "resume", "device", "log_steps", "save_steps", "keep_checkpoints",
+                      "eval_steps", "xla_cache_dir", "dist_timeout_s")
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+
+
+def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split `optimizer.state_dict()` into named tensors and a JSON-ready rest."""
+    state = optimizer.state_dict()
+    tensors, extra = {}, {}
+    for index, values in state["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{key}"] = value
+            else:
+                extra.setdefault(str(index), {})[key] = value
+    return _cpu(tensors), {"param_groups": state["param_groups"], "state": extra}
+
+
+def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    """Inverse of `optimizer_to_flat`: a dict for `optimizer.load_state_dict`."""
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        _, index, key = name.split(".", 2)
+        state.setdefault(int(index), {})[key] = value
+    for index, values in meta["state"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states as named uint8 tensors."""
+    states = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_state(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states["torch"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def step_of(path: Path) -> int:
+    match = re.fullmatch(re.escape(PREFIX) + r"(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run (those with a state.json), oldest first."""
+    found = [p for p in Path(run_dir).glob(PREFIX + "*") if step_of(p) >= 0 and (p / STATE_FILE).exists()]
+    return sorted(found, key=step_of)
+
+
+def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict,
+                    write_extra: Callable[[Path], None] | None = None, keep: int = 0) -> Path:
+    """Write `checkpoint-{step}` atomically and keep only the newest `keep` (0 = all).
+
+    Args:
+        tensors: {file name: {tensor name: tensor}}; each becomes one safetensors file.
+        state: the JSON part; written last, inside the temporary folder.
+        write_extra: writes more files (e.g. PEFT adapters) into the temporary folder.
+    """
+    final = run_dir / f"{PREFIX}{step}"
+    tmp = run_dir / f".{PREFIX}{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, group in tensors.items():
+        save_file(_cpu(group), str(tmp / name))
+    if write_extra is not None:
+        write_extra(tmp)
+    (tmp / STATE_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **state}, indent=2) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    if keep > 0:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """Read a checkpoint folder: ({file name: tensors}, state)."""
+    path = Path(path)
+    if not (path / STATE_FILE).exists():
+        raise ValueError(f"--resume {path}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-N folder "
+                         "or auto")
+    state = json.loads((path / STATE_FILE).read_text())
+    tensors = {f.name: load_file(str(f)) for f in path.glob("*.safetensors")}
+    return tensors, state
+
+
+def find_resume_point(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint `--resume` names: the newest complete one for `auto` (None when there is none)."""
+    if not resume:
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    return Path(resume)
+
+
+def check_resumable(saved: dict, current: dict, path: Path) -> None:
+    """Refuse to resume with a config that would train different values; explain the first difference.
+
+    Raises:
+        ValueError: one line naming the flag, the checkpoint's value and the current one.
+    """
+    for key in sorted(set(saved) | set(current)):
+        if key in RESUME_FREE_FIELDS or saved.get(key) == current.get(key):
+            continue
+        flag = "--" + key.replace("_", "-")
+        raise ValueError(f"--resume: {path.name} was written with {flag} {saved.get(key)!r}, this run has "
+                         f"{current.get(key)!r}; pass the same {flag} or choose a new --out")
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGINT so the loop can finish its step, checkpoint and exit (preemptible TPUs)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def open_metrics(path: Path, resumed_step: int):
+    """The metrics JSONL for appending; a resumed run first drops the records after its checkpoint (they are
+    redone, so the file ends as an uninterrupted run's)."""
+    if resumed_step == 0 or not path.exists():
+        return path.open("w")
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by SIGKILL
+            continue
+        if record.get("step", math.inf) <= resumed_step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return path.open("a")

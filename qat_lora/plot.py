@@ -1,0 +1,59 @@
+"""`qat-lora plot RUN_DIR`: the training loss and held-out eval curves of a run, drawn to a PNG.
+
+    qat-lora plot runs/w3g64            # writes runs/w3g64/curves.png
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .train import METRICS_FILE
+
+PLOT_FILE = "curves.png"
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """(training records, eval records) of a run's metrics JSONL; a line cut by a kill is skipped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        raise ValueError(f"plot: {path} not found; pass a run folder written by `qat-lora train`")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw loss (train, and held-out when the run evaluated) and learning rate against the step.
+
+    Returns:
+        the PNG path (`RUN_DIR/curves.png` unless `out` is given).
+    Raises:
+        ValueError: no metrics, or matplotlib missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on servers and TPU VMs
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("plot: needs matplotlib; pip install matplotlib") from None
+    train, evals = read_metrics(run_dir)
+    if not train and not evals:
+        raise ValueError(f"plot: {Path(run_dir) / METRICS_FILE} holds no records yet")
+    fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out KD loss")
+    ax_loss.set(xlabel="step", ylabel="loss", title=Path(run_dir).name)
+    ax_loss.legend()
+    ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train])
+    ax_lr.set(xlabel="step", ylabel="learning rate")
+    fig.tight_layout()
+    path = Path(out) if out else Path(run_dir) / PLOT_FILE
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

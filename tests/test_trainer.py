@@ -1,0 +1,252 @@
+"""The trainer on CPU: presets, exact resume after SIGKILL, SIGTERM checkpoints, gloo ranks, eval and best/."""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qat_lora import checkpoint as ckpt
+from qat_lora.cache import CacheBuildConfig, KDCache, batch_order, build_cache
+from qat_lora.cli import main
+from qat_lora.distributed import launch_local
+from qat_lora.evaluate import kd_metrics
+from qat_lora.lora import load_recovery_lora
+from qat_lora.quant import quantizer_parameters
+from qat_lora.train import (TRAIN_PRESETS, TrainConfig, build_student, enable_activation_checkpointing_,
+                            load_quantizer_state_, make_trainable_,
+                            quantizer_state_dict, train)
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = dict(log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, teacher_dir, corpus_dir):
+    out = tmp_path_factory.mktemp("cache")
+    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=32,
+                                 top_k=8, value_bits=32, max_tokens=6_000, batch_size=8, holdout_fraction=0.1,
+                                 device="cpu"), log=lambda _: None)
+    return out
+
+
+def _cfg(teacher_dir, cache_dir, out, **kw) -> TrainConfig:
+    base = dict(model=str(teacher_dir), cache=str(cache_dir), quant="w2g32", out=str(out), max_steps=12,
+                batch_size=4, lr=3e-3, lora_r=4, warmup_steps=2, log_steps=1, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def _cli(teacher_dir, cache_dir, out, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "qat_lora.cli", "train", "--model", str(teacher_dir), "--cache", str(cache_dir),
+            "--quant", "w2g32", "--out", str(out), "--batch-size", "2", "--lr", "3e-3", "--lora-r", "4",
+            "--warmup-steps", "2", "--log-steps", "1", "--device", "cpu", *extra]
+
+
+def _curve(run: Path) -> list[dict]:
+    """Per-step training records without the wall-clock fields."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    clock = ("tokens_per_s", "elapsed_s", "memory_mib")
+    return [{k: v for k, v in r.items() if k not in clock} for r in records if "loss" in r]
+
+
+@pytest.mark.parametrize("preset", list(TRAIN_PRESETS))
+def test_preset_trains_exactly_its_parameters(preset, teacher_dir):
+    model = make_trainable_(build_student(str(teacher_dir), "w2g32"), preset, lora_r=4)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    quant = {n for n, p in model.named_parameters() if any(p is q for q in quantizer_parameters(model))}
+    lora = {n for n in dict(model.named_parameters()) if "lora_" in n}
+    assert quant and (lora or preset == "qat")
+    parts = TRAIN_PRESETS[preset]
+    expected = (lora if "lora" in parts else set()) | (quant if "quantizer" in parts else set())
+    assert trainable == expected
+    assert ("lora" in TRAIN_PRESETS[preset]) == hasattr(model, "peft_config")
+
+
+def _heldout(teacher_dir, cache_dir, run: Path | None) -> float:
+    student = build_student(str(teacher_dir), "w2g32")
+    if run is not None and (run / "quantizer.safetensors").exists():
+        load_quantizer_state_(student, run / "quantizer.safetensors")
+    if run is not None and (run / "adapter").exists():
+        student = load_recovery_lora(student, run / "adapter")
+    return kd_metrics(student.eval(), KDCache(cache_dir), 8, torch.device("cpu"))["kd_soft_ce"]
+
+
+@pytest.mark.parametrize("preset", list(TRAIN_PRESETS))
+def test_each_preset_lowers_heldout_kd_loss_and_saves_what_it_trained(preset, teacher_dir, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    steps = 40 if preset == "qat" else 12  # scales alone move the loss less per step than adapters do
+    summary = train(_cfg(teacher_dir, cache_dir, run, preset=preset, max_steps=steps), **QUIET)
+    assert (run / "adapter" / "adapter_model.safetensors").exists() == ("lora" in TRAIN_PRESETS[preset])
+    assert (run / "quantizer.safetensors").exists() == ("quantizer" in TRAIN_PRESETS[preset])
+    assert summary["preset"] == preset
+    if "quantizer" in TRAIN_PRESETS[preset]:
+        saved = load_file(str(run / "quantizer.safetensors"))
+        initial = quantizer_state_dict(build_student(str(teacher_dir), "w2g32"))
+        assert saved.keys() == initial.keys()
+        assert any(not torch.equal(saved[k], initial[k]) for k in saved)
+    assert _heldout(teacher_dir, cache_dir, run) < _heldout(teacher_dir, cache_dir, None) - 0.005
+
+
+def test_sigkill_then_resume_auto_is_bit_identical(teacher_dir, cache_dir, tmp_path):
+    flags = ("--max-steps", "40", "--save-steps", "4", "--keep-checkpoints", "2")
+    reference = tmp_path / "reference"
+    subprocess.run(_cli(teacher_dir, cache_dir, reference, *flags), check=True, capture_output=True, timeout=300)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cli(teacher_dir, cache_dir, run, *flags, "--resume", "auto"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not ckpt.list_checkpoints(run) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.Random(0).uniform(0.0, 0.2))  # a fixed "random" point after the first checkpoint
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.kill()
+    proc.wait()
+    assert not (run / "adapter").exists() and ckpt.list_checkpoints(run)
+    killed_at = ckpt.step_of(ckpt.list_checkpoints(run)[-1])
+    assert 4 <= killed_at < 40
+    result = subprocess.run(_cli(teacher_dir, cache_dir, run, *flags, "--resume", "auto"), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"resumed from {run / f'checkpoint-{killed_at}'}" in result.stdout
+    a = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _curve(run) == _curve(reference) and [r["step"] for r in _curve(run)] == list(range(1, 41))
+    assert len(ckpt.list_checkpoints(run)) == 2 and not list(run.glob(".checkpoint-*"))
+    again = subprocess.run(_cli(teacher_dir, cache_dir, run, *flags, "--resume", "auto"), capture_output=True,
+                           text=True, timeout=300)  # a preemption loop's extra rerun changes nothing
+    assert again.returncode == 0 and "already holds a finished run" in again.stdout
+    assert all(torch.equal(v, b[k]) for k, v in load_file(str(run / "adapter" / "adapter_model.safetensors")).items())
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(teacher_dir, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cli(teacher_dir, cache_dir, run, "--max-steps", "100000"), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 240
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    [saved] = ckpt.list_checkpoints(run)
+    assert "stopped by SIGTERM" in out and "--resume auto" in out
+    tensors, state = ckpt.load_checkpoint(saved)
+    assert state["step"] == ckpt.step_of(saved) > 0 and state["config"]["max_steps"] == 100000
+    assert (saved / "adapter" / "adapter_config.json").exists()
+    assert set(tensors[ckpt.RNG_FILE]) == {"rank0.torch"}
+
+
+def test_resume_explains_a_config_mismatch(teacher_dir, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(teacher_dir, cache_dir, run, max_steps=2, save_steps=1), **QUIET)
+    with pytest.raises(ValueError, match=r"run was written with --lr 0.003, this run has 0.001"):
+        train(_cfg(teacher_dir, cache_dir, run, max_steps=2, lr=1e-3, resume="auto"), **QUIET)  # finished run
+    with pytest.raises(ValueError, match=r"checkpoint-1 was written with --lr 0.003, this run has 0.001"):
+        train(_cfg(teacher_dir, cache_dir, run, max_steps=2, lr=1e-3, resume=str(run / "checkpoint-1")), **QUIET)
+
+
+@pytest.mark.parametrize("preset", ["recovery-lora", "qat"])
+def test_gradient_checkpointing_changes_no_value(preset, teacher_dir, cache_dir, tmp_path):
+    plain, recomputed = tmp_path / "plain", tmp_path / "recomputed"
+    train(_cfg(teacher_dir, cache_dir, plain, max_steps=2, preset=preset), **QUIET)
+    train(_cfg(teacher_dir, cache_dir, recomputed, max_steps=2, preset=preset, gradient_checkpointing=True), **QUIET)
+    name = "adapter/adapter_model.safetensors" if preset == "recovery-lora" else "quantizer.safetensors"
+    a, b = load_file(str(plain / name)), load_file(str(recomputed / name))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    for r1, r2 in zip(_curve(plain), _curve(recomputed), strict=True):
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-6) and r2["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-5)
+    model = make_trainable_(build_student(str(teacher_dir), "w2g32"), preset, lora_r=4)
+    enable_activation_checkpointing_(model, torch.device("cpu"))
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    assert layers and all(m.gradient_checkpointing for m in layers)
+
+
+def _full_rows_seed(cache_dir, rows: int) -> int:
+    """A seed whose first `rows` training rows hold no padding (then mean of rank means == global mean)."""
+    cache = KDCache(cache_dir)
+    for seed in range(100):
+        order = batch_order(cache.num_sequences("train"), seed=seed, epoch=0)[:rows]
+        if all(bool(cache.sequence(int(i))["attention_mask"].all()) for i in order):
+            return seed
+    raise AssertionError("no seed without padded rows")
+
+
+def test_two_gloo_ranks_make_the_same_update_as_one_rank_with_twice_the_batch(teacher_dir, cache_dir, tmp_path):
+    seed = _full_rows_seed(cache_dir, 12)
+    single = tmp_path / "single"
+    train(_cfg(teacher_dir, cache_dir, single, max_steps=3, batch_size=4, seed=seed), **QUIET)
+    multi = tmp_path / "multi"
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_recovery_lora_multi.py"), "--num-chips", "2",
+           *_cli(teacher_dir, cache_dir, multi, "--max-steps", "3", "--seed", str(seed))[4:]]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((multi / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tokens"] == 3 * 4 * 32
+    a = load_file(str(single / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(multi / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)  # the adapters really moved
+    for k in a:  # Adam divides by sqrt(v): float rounding of the rank mean shows up at ~1e-6 in near-zero coordinates
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    assert [r["step"] for r in _curve(multi)] == [1, 2, 3]  # only the master writes metrics
+
+
+FAILING_RANK = """
+import torch
+from qat_lora.distributed import init_backend
+backend = init_backend(torch.device("cpu"), timeout_s=120)
+backend.rendezvous("up")
+if backend.rank == 1:
+    raise RuntimeError("rank 1 fails")
+p = torch.nn.Parameter(torch.ones(3))
+p.grad = torch.ones(3)
+backend.reduce_gradients(torch.optim.SGD([p], lr=0.1))  # waits for a rank that is gone
+backend.rendezvous("end")
+"""
+
+
+def test_a_rank_that_raises_makes_every_rank_exit_nonzero(tmp_path):
+    started = time.monotonic()
+    codes = launch_local([sys.executable, "-c", FAILING_RANK], 2, grace_s=5, log=lambda _: None)
+    assert all(code != 0 for code in codes), codes
+    assert time.monotonic() - started < 60
+
+
+def test_periodic_eval_keeps_the_best_checkpoint_by_heldout_loss(teacher_dir, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    summary = train(_cfg(teacher_dir, cache_dir, run, max_steps=6, eval_steps=3), **QUIET)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all(0 <= r["kd_top1"] <= 1 for r in evals)
+    assert all(r["memory_mib"] > 0 for r in records if "loss" in r)
+    best = min(evals, key=lambda r: r["eval_loss"])
+    assert summary["best_eval_loss"] == best["eval_loss"]
+    assert json.loads((run / "best" / "eval.json").read_text())["step"] == best["step"]
+    assert (run / "best" / "adapter" / "adapter_config.json").exists()
+    assert main(["plot", str(run)]) == 0
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unavailable_devices_and_bad_flags_are_one_line_errors(teacher_dir, cache_dir, tmp_path):
+    with pytest.raises(ValueError, match="--preset 'lora'"):
+        _cfg(teacher_dir, cache_dir, tmp_path, preset="lora")
+    from qat_lora.device import _tpu_present, resolve_device
+
+    if not _tpu_present():
+        with pytest.raises(ValueError, match="--device tpu"):
+            resolve_device("tpu")
+    script = [sys.executable, str(ROOT / "scripts" / "train_recovery_lora_multi.py")]
+    result = subprocess.run(script + ["--num-chips", "2", "--parallel", "spmd", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "train_recovery_lora_multi: error: --parallel spmd with --device cpu: SPMD needs --device xla")
