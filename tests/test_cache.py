@@ -245,3 +245,34 @@ def test_trainer_and_eval_read_a_sampled_cache(teacher_dir, corpus_dir, tmp_path
     result = evaluate(EvalConfig(model=str(teacher_dir), quant="w2g32", adapter=summary["adapter"], cache=str(cache),
                                  device="cpu"), log=lambda _: None)
     assert np.isfinite(result["kd_soft_ce"]) and 0 <= result["kd_top1"] <= 1 and result["kd_tokens"] > 0
+
+
+def test_chat_records_are_rendered_with_the_chat_template(teacher_dir, tmp_path):
+    chat_teacher = tmp_path / "chat-teacher"
+    chat_teacher.mkdir()
+    for f in teacher_dir.iterdir():
+        (chat_teacher / f.name).symlink_to(f)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (chat_teacher / name).unlink(missing_ok=True)
+    tok.save_pretrained(chat_teacher)
+    messages = [{"role": "user", "content": "the king speaks"}, {"role": "assistant", "content": "the queen sings"}]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": messages}) for _ in range(40)))
+    build_cache(_config(chat_teacher, tmp_path / "chat.jsonl", tmp_path / "c", chat=True, holdout_fraction=0.0),
+                log=lambda _: None)
+    first = KDCache(tmp_path / "c").sequence(0)
+    text = tok.decode(first["input_ids"][first["attention_mask"].bool()])
+    rendered = "user: the king speaks\nassistant: the queen sings\n"
+    assert text.startswith("user: the king speaks\nas") and (rendered * 2).startswith(text), repr(text)
+
+
+def test_saved_datasets_are_read(teacher_dir, tmp_path):
+    datasets = pytest.importorskip("datasets") if not os.environ.get("CI") else __import__("datasets")
+    records = {"text": ["the king speaks to the river.", "a quiet garden under the stars."] * 30}
+    datasets.Dataset.from_dict(records).save_to_disk(str(tmp_path / "ds"))
+    build_cache(_config(teacher_dir, tmp_path / "ds", tmp_path / "c"), log=lambda _: None)
+    cache = KDCache(tmp_path / "c")
+    assert cache.manifest["splits"]["train"]["tokens"] + cache.manifest["splits"]["heldout"]["tokens"] > 100
