@@ -75,11 +75,10 @@ def time_steps(model, batch: dict, chunk: int, steps: int, device) -> list[float
     from qat_lora.loss import KDLossConfig
     from qat_lora.train import forward_loss
 
-    checkpoint = dev.checkpoint_fn(device)
     times = []
     for i in range(steps + 1):  # the first step warms up (allocations, caches)
         started = time.perf_counter()
-        forward_loss(model, batch, KDLossConfig(), chunk, checkpoint)["loss"].backward()
+        forward_loss(model, batch, KDLossConfig(), chunk)["loss"].backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i:
@@ -124,10 +123,9 @@ def child(args) -> dict:
     if args.child == "loss":
         hidden = torch.randn(args.batch_size, args.seq_len, hidden_size, device=device, requires_grad=True)
         weight = torch.randn(vocab, hidden_size, device=device) * 0.02
-        checkpoint = dev.checkpoint_fn(device)  # imports happen before the baseline
         base = _reset_peak(device)
         if args.chunk:
-            out = kd_loss_chunked(hidden, weight, batch, KDLossConfig(), args.chunk, None, checkpoint)
+            out = kd_loss_chunked(hidden, weight, batch, KDLossConfig(), args.chunk)
         else:
             out = kd_loss(hidden @ weight.T, batch, KDLossConfig())
         out["loss"].backward()

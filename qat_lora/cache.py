@@ -198,6 +198,8 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     packed = _tokenise(cfg, files, tokenizer)
     out = _prepare_out(cfg)
     device = dev.resolve_device(cfg.device)
+    if device.type == "cpu":
+        dev.tune_host_allocator()
     teacher.to(device)
     encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
     progress_path = out / f"progress-r{cfg.rank:03d}.json"

@@ -172,9 +172,38 @@ class StopSignal:
             signal.signal(s, handler)
 
 
-def open_metrics(path: Path, resumed_step: int):
-    """The metrics JSONL for appending; a resumed run first drops the records after its checkpoint (they are
-    redone, so the file ends as an uninterrupted run's)."""
+class MetricsLog:
+    """The run's metrics: one JSON record per line in `metrics.jsonl`, and optionally TensorBoard scalars.
+
+    A resumed run first drops the records after its checkpoint (they are redone, so the file ends as an
+    uninterrupted run's; TensorBoard purges the same steps).
+    """
+
+    def __init__(self, path: Path, resumed_step: int, tensorboard_dir: Path | None = None):
+        self._file = _open_jsonl(path, resumed_step)
+        self._tensorboard = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(tensorboard_dir), purge_step=resumed_step or None)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            group = "eval" if "eval_loss" in record else "train"
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(f"{group}/{key}", value, record["step"])
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _open_jsonl(path: Path, resumed_step: int):
     if resumed_step == 0 or not path.exists():
         return path.open("w")
     kept = []

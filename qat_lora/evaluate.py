@@ -26,6 +26,7 @@ class EvalConfig:
     model: str = field(default="", metadata={"help": "full-precision model (folder, .gguf or hub name)"})
     quant: str = field(default="", metadata={"help": "quantisation preset; empty = evaluate the model unquantised"})
     adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to attach"})
+    quantizer: str = field(default="", metadata={"help": "a qat run's quantizer.safetensors to load into the student"})
     text: list[str] = field(default_factory=list, metadata={"help": "held-out text files or folders for perplexity"})
     cache: str = field(default="", metadata={"help": "KD cache whose held-out split gives KD loss and top-1"})
     seq_len: int = field(default=512, metadata={"help": "perplexity context (non-overlapping windows)"})
@@ -37,8 +38,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not self.text and not self.cache:
             raise ValueError("eval: pass --text (perplexity) and/or --cache (KD metrics)")
-        if self.adapter and not self.quant:
-            raise ValueError("--adapter needs --quant: recovery adapters belong to a quantised student")
+        if (self.adapter or self.quantizer) and not self.quant:
+            flag = "--adapter" if self.adapter else "--quantizer"
+            raise ValueError(f"{flag} needs --quant: it belongs to a quantised student (pass the run's --quant)")
 
 
 @torch.no_grad()
@@ -89,11 +91,13 @@ def kd_metrics(model, cache: KDCache, batch_size: int, device: torch.device, spl
             "kd_tokens": int(values["kd_tokens"])}
 
 
-def load_model_for_eval(model: str, quant: str = "", adapter: str = "", attn_implementation: str = "sdpa"):
-    """Teacher (no quant), PTQ student (quant), or recovered student (quant + adapter), in eval mode."""
+def load_model_for_eval(model: str, quant: str = "", adapter: str = "", attn_implementation: str = "sdpa",
+                        quantizer: str = ""):
+    """Teacher (no quant), PTQ student (quant), or trained student (quant + a qat run's quantizer and/or a
+    recovery adapter), in eval mode."""
     if not quant:
-        return models.load_causal_lm(model, attn_implementation=attn_implementation)
-    student = build_student(model, quant, attn_implementation)
+        return models.load_causal_lm(model, attn_implementation=attn_implementation).eval()
+    student = build_student(model, quant, attn_implementation, quantizer)
     if adapter:
         student = load_recovery_lora(student, adapter)
     return student.eval()
@@ -103,8 +107,10 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     """Run the metrics `cfg` asks for; returns (and optionally writes) a JSON-ready dict."""
     device = dev.resolve_device(cfg.device)
     tokenizer = models.load_tokenizer(cfg.model)
-    model = load_model_for_eval(cfg.model, cfg.quant, cfg.adapter, resolve_attn("auto", device)).to(device)
-    result: dict = {"model": cfg.model, "quant": cfg.quant or None, "adapter": cfg.adapter or None}
+    model = load_model_for_eval(cfg.model, cfg.quant, cfg.adapter, resolve_attn("auto", device),
+                                cfg.quantizer).to(device)
+    result: dict = {"model": cfg.model, "quant": cfg.quant or None, "adapter": cfg.adapter or None,
+                    "quantizer": cfg.quantizer or None}
     if cfg.text:
         result.update(perplexity(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens or None,
                                  cfg.batch_size, device))

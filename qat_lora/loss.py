@@ -6,12 +6,11 @@ on tensor values. Masked positions are multiplied by zero, so they contribute ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 # Fill for the K teacher ids when taking the student's tail logsumexp. Finite (not -inf) so that with
-# K = V (an empty tail) the softmax stays defined and 0 * s_tail is 0, not NaN. Real logits never get near it.
+# K = V (an empty tail) the softmax stays defined and 0 * s_tail is 0, not NaN. Real log-probs never get near it.
 _TAIL_FILL = -1.0e4
 
 
@@ -40,20 +39,24 @@ class KDLossConfig:
             raise ValueError(f"--alpha {self.alpha}: must be in [0, 1] (1 = pure KD, 0 = plain cross-entropy)")
 
 
-def student_bucket_logprobs(logits: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Student log-probabilities of the K teacher ids and of the tail (everything else), in fp32.
+def student_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log-softmax over the full vocabulary in fp32 (at least): one fused pass forward and backward, computed
+    once per chunk and shared by the soft CE, the tail and the hard CE."""
+    return torch.log_softmax(_at_least_fp32(logits), dim=-1)
+
+
+def student_bucket_logprobs(logprobs: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student log-probabilities of the K teacher ids and of the tail (everything else).
 
     Args:
-        logits: [..., V] student logits.
+        logprobs: [..., V] student log-softmax over the full vocabulary (`student_logprobs`).
         topk_ids: [..., K] int64 teacher token ids.
     Returns:
-        s_k: [..., K] and s_tail: [...], log-softmax over the full vocabulary aggregated into K+1 buckets.
+        s_k: [..., K] and s_tail: [...] = logsumexp of the log-probs outside the K ids (DESIGN §3).
     """
-    z = _at_least_fp32(logits)
-    lse = torch.logsumexp(z, dim=-1)
-    s_k = torch.gather(z, -1, topk_ids) - lse.unsqueeze(-1)
-    tail_lse = torch.logsumexp(z.scatter(-1, topk_ids, _TAIL_FILL), dim=-1)
-    return s_k, tail_lse - lse
+    s_k = torch.gather(logprobs, -1, topk_ids)
+    s_tail = torch.logsumexp(logprobs.scatter(-1, topk_ids, _TAIL_FILL), dim=-1)
+    return s_k, s_tail
 
 
 def teacher_buckets(topk_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +79,12 @@ def topk_soft_ce(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: to
         soft_ce: [...] = -(sum_k q_k s_k + q_tail s_tail) (times T^2 when tempered);
         kl: [...] = soft_ce - H(q) over the same buckets (>= 0).
     """
-    s_k, s_tail = student_bucket_logprobs(logits, topk_ids)
+    return _topk_soft_ce(student_logprobs(logits), topk_ids, topk_logprobs, temperature, renormalize)
+
+
+def _topk_soft_ce(s_full: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                  temperature: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    s_k, s_tail = student_bucket_logprobs(s_full, topk_ids)
     q_k, q_tail = teacher_buckets(topk_logprobs)
     if renormalize:
         s = torch.log_softmax(s_k / temperature, dim=-1)
@@ -106,8 +114,12 @@ def sampled_soft_ce(logits: torch.Tensor, sample_ids: torch.Tensor,
     Returns:
         soft_ce, kl: [...]; the expectation of soft_ce over the draws is the full soft cross-entropy.
     """
-    z = _at_least_fp32(logits)
-    s = torch.gather(z, -1, sample_ids) - torch.logsumexp(z, dim=-1, keepdim=True)
+    return _sampled_soft_ce(student_logprobs(logits), sample_ids, sample_weights)
+
+
+def _sampled_soft_ce(s_full: torch.Tensor, sample_ids: torch.Tensor,
+                     sample_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.gather(s_full, -1, sample_ids)
     w = sample_weights.to(s.dtype)
     soft_ce = -(w * s).sum(-1)
     return soft_ce, soft_ce + (w * w.clamp(min=1e-30).log()).sum(-1)
@@ -128,22 +140,26 @@ def next_token_labels(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torc
 
 def hard_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-position cross-entropy -log_softmax(logits)[label], in fp32. logits [..., V], labels [...] -> [...]."""
-    z = _at_least_fp32(logits)
-    return torch.logsumexp(z, -1) - torch.gather(z, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return _nll(student_logprobs(logits), labels)
+
+
+def _nll(s_full: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return -torch.gather(s_full, -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
 def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: KDLossConfig) -> torch.Tensor:
     """Masked sums over N positions: [soft_ce, kl, top1, ce]. logits [N, V]; targets hold per-position
     `topk_ids` [N, K], `topk_logprobs` [N, K] (optional), `labels` [N], `kd_mask` [N], `label_mask` [N]."""
-    ce = hard_ce(logits, targets["labels"]) * targets["label_mask"]
+    s_full = student_logprobs(logits)  # once per chunk: the one full-vocabulary normalisation
+    ce = _nll(s_full, targets["labels"]) * targets["label_mask"]
     if "topk_ids" in targets:
-        soft_ce, kl = topk_soft_ce(logits, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature,
-                                   cfg.renormalize_topk)
+        soft_ce, kl = _topk_soft_ce(s_full, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature,
+                                    cfg.renormalize_topk)
         teacher_top1 = targets["topk_ids"][:, 0]
     elif "sample_ids" in targets:
         if cfg.temperature != 1.0:
             raise ValueError("--temperature: sampled targets were drawn at T = 1; use --temperature 1")
-        soft_ce, kl = sampled_soft_ce(logits, targets["sample_ids"], targets["sample_weights"])
+        soft_ce, kl = _sampled_soft_ce(s_full, targets["sample_ids"], targets["sample_weights"])
         most_drawn = targets["sample_weights"].argmax(-1, keepdim=True)
         teacher_top1 = torch.gather(targets["sample_ids"], -1, most_drawn).squeeze(-1)
     else:  # perplexity only: no teacher targets
@@ -194,31 +210,83 @@ def kd_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], cfg: KDLossCon
     return _finish(_position_sums(logits.reshape(-1, logits.shape[-1]), targets, cfg), targets, cfg)
 
 
+def _loss_weights(targets: dict[str, torch.Tensor], cfg: KDLossConfig, dtype: torch.dtype) -> torch.Tensor:
+    """[4] weights w with loss = w . [soft_ce_sum, kl_sum, top1_sum, ce_sum] (the means `_finish` takes)."""
+    kd_tokens = targets["kd_mask"].sum().to(dtype).clamp(min=1.0)
+    ce_tokens = targets["label_mask"].sum().to(dtype).clamp(min=1.0)
+    zero = torch.zeros_like(kd_tokens)
+    return torch.stack([cfg.alpha / kd_tokens, zero, zero, (1.0 - cfg.alpha) / ce_tokens])
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """lm_head + loss over chunks of positions, with each chunk's gradient taken while its logits exist.
+
+    Forward runs, per chunk: logits = h W^T + b, the position sums, and (when an input needs a gradient) the
+    gradient of the chunk's share of the loss w . sums with respect to h, W and b; the logits are then freed.
+    Backward only scales the stored gradients by the incoming one. Peak memory is one chunk's logits, as with
+    recomputation, but the lm_head runs twice per chunk instead of three times (forward, input gradient), the
+    same trick as fused linear-cross-entropy kernels. Only the loss carries a gradient; the sums (for logging
+    and evaluation) are returned detached.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, loss_weights, cfg, chunk_size, names, *targets):
+        needs = ctx.needs_input_grad[:3]
+        grads: list = [[] if needs[0] else None, torch.zeros_like(weight) if needs[1] else None,
+                       torch.zeros_like(bias) if needs[2] else None]
+        sums = None
+        for start in range(0, hidden.shape[0], chunk_size):
+            inputs = [t.detach().requires_grad_(need) if t is not None else None
+                      for t, need in zip((hidden[start:start + chunk_size], weight, bias), needs)]
+            with torch.enable_grad():
+                chunk = _position_sums(torch.nn.functional.linear(*inputs),
+                                       {n: t[start:start + chunk_size] for n, t in zip(names, targets)}, cfg)
+                wanted = [t for t, need in zip(inputs, needs) if need]
+                got = iter(torch.autograd.grad((chunk * loss_weights).sum(), wanted) if wanted else ())
+            if needs[0]:
+                grads[0].append(next(got))  # rows of the input gradient, concatenated below
+            for i in (1, 2):
+                if needs[i]:
+                    grads[i].add_(next(got))  # W and b are shared by every chunk: accumulate
+            sums = chunk.detach() if sums is None else sums + chunk.detach()
+        if needs[0]:
+            grads[0] = torch.cat(grads[0])
+        ctx.save_for_backward(*[g if g is not None else torch.empty(0) for g in grads])
+        ctx.needs, ctx.num_targets = needs, len(targets)
+        loss = (sums * loss_weights).sum()
+        ctx.mark_non_differentiable(sums)
+        return loss, sums
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_sums):
+        grads = [g * grad_loss.to(g.dtype) if need else None for g, need in zip(ctx.saved_tensors, ctx.needs)]
+        return (*grads, None, None, None, None, *([None] * ctx.num_targets))
+
+
 def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str, torch.Tensor], cfg: KDLossConfig,
-                    chunk_size: int = 1024, bias: torch.Tensor | None = None,
-                    checkpoint: Callable | None = None) -> dict[str, torch.Tensor]:
+                    chunk_size: int = 1024, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """kd_loss computed from the final hidden states and the lm_head weight, `chunk_size` positions at a time.
 
-    Each chunk's logits are recomputed in backward (activation checkpointing), so peak memory is set by
-    chunk_size x V, not B x L x V. Equal in value and gradient to kd_loss(hidden @ weight.T + bias, ...).
+    Peak memory is set by chunk_size x V, not B x L x V: each chunk's gradient is taken as soon as its logits
+    exist (`_ChunkedHeadLoss`). Equal in value to kd_loss(hidden @ weight.T + bias, ...) and, for `loss`, in
+    gradient; the other parts are returned without a gradient (they are for logging and evaluation).
 
     Args:
         hidden: [B, L, H] final (normed) hidden states; weight: [V, H]; bias: [V] or None.
         chunk_size: positions per chunk (all chunks but the last have this size; shapes are fixed per run).
-        checkpoint: checkpoint function (device.checkpoint_fn); None computes chunks without recomputation.
     """
     targets = _flat_targets(batch)
     flat = hidden.reshape(-1, hidden.shape[-1])
-
-    def chunk_sums(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *chunk_targets: torch.Tensor):
-        logits = torch.nn.functional.linear(h, w, b)
-        return _position_sums(logits, dict(zip(names, chunk_targets)), cfg)
-
     names = list(targets)
-    sums = None
-    for start in range(0, flat.shape[0], chunk_size):
-        parts = [t[start:start + chunk_size] for t in targets.values()]
-        args = (flat[start:start + chunk_size], weight, bias, *parts)
-        chunk = checkpoint(chunk_sums, *args) if checkpoint is not None else chunk_sums(*args)
-        sums = chunk if sums is None else sums + chunk
-    return _finish(sums, targets, cfg)
+    loss_weights = _loss_weights(targets, cfg, torch.promote_types(flat.dtype, torch.float32))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias)):
+        loss, sums = _ChunkedHeadLoss.apply(flat, weight, bias, loss_weights, cfg, chunk_size, names,
+                                            *targets.values())
+    else:  # evaluation: no gradient to take
+        sums = sum(_position_sums(torch.nn.functional.linear(flat[i:i + chunk_size], weight, bias),
+                                  {n: t[i:i + chunk_size] for n, t in targets.items()}, cfg)
+                   for i in range(0, flat.shape[0], chunk_size))
+        loss = (sums * loss_weights).sum()
+    out = _finish(sums, targets, cfg)
+    out["loss"] = loss
+    return out

@@ -14,6 +14,7 @@ signal number (143, 130): the run is unfinished, and the same command with `--re
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import math
@@ -44,6 +45,7 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
 COMPILE_REPORT_FILE = "compile_report.json"
+TENSORBOARD_DIR = "tensorboard"
 # What each preset trains: LoRA adapters over the frozen quantised base, the quantiser's own parameters
 # (scales, zeros, codebooks, low-rank scale factors; LSQ-style), or both.
 TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
@@ -71,8 +73,12 @@ class TrainConfig:
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
+    quantizer: str = field(default="", metadata={"help": "start from a qat run's quantizer.safetensors (QAT, "
+                                                          "then recovery LoRA); built with the same --quant"})
     temperature: float = field(default=1.0, metadata={"help": "KD temperature"})
     alpha: float = field(default=1.0, metadata={"help": "weight of the KD term; 1 - alpha on hard-label CE"})
+    renormalize_topk: bool = field(default=False, metadata={"help": "baseline only: renormalise teacher and student "
+                                                                     "over the K ids, dropping the tail (biased)"})
     save_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only on SIGTERM/SIGINT)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest K checkpoints (0 = all)"})
     resume: str = field(default="", metadata={"help": "auto (newest checkpoint in --out, if any) or a "
@@ -80,10 +86,13 @@ class TrainConfig:
     eval_steps: int = field(default=0, metadata={"help": "held-out KD eval every N steps and at the end; keeps "
                                                          "best/ (0 = off)"})
     log_steps: int = field(default=10, metadata={"help": "read and write metrics every N steps"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write metrics as TensorBoard scalars to "
+                                                               "OUT/tensorboard (pip install tensorboard)"})
     seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
     precision: str = field(default="auto", metadata={"help": "auto, fp32 or bf16 (autocast)"})
-    loss_chunk_size: int = field(default=128, metadata={"help": "positions per lm_head+loss chunk, recomputed in backward (0 = full logits)"})
+    loss_chunk_size: int = field(default=128, metadata={"help": "positions per lm_head+loss chunk, each chunk's "
+                                                                   "logits freed after its gradient (0 = full logits)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward "
                                                                           "(torch_xla's checkpoint on XLA)"})
     attn_implementation: str = field(default="auto", metadata={"help": "auto (eager on XLA, sdpa elsewhere), eager, sdpa"})
@@ -110,7 +119,12 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         get_preset(self.quant)
-        KDLossConfig(self.temperature, self.alpha)
+        KDLossConfig(self.temperature, self.alpha, self.renormalize_topk)
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard: the tensorboard package is not installed; pip install tensorboard "
+                             "(or 'qat-lora[tensorboard]')")
+        if self.quantizer and not Path(self.quantizer).is_file():
+            raise ValueError(f"--quantizer {self.quantizer}: no such file; pass a qat run's quantizer.safetensors")
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -128,10 +142,13 @@ def resolve_attn(attn_implementation: str, device: torch.device) -> str:
     return attn_implementation
 
 
-def build_student(model: str, quant: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """Load the full-precision model and fake-quantise it with a preset (round-to-nearest init)."""
-    student = models.load_causal_lm(model, attn_implementation=attn_implementation)
-    return quantize_(student, get_preset(quant))
+def build_student(model: str, quant: str, attn_implementation: str = "sdpa", quantizer: str = "") -> torch.nn.Module:
+    """Load the full-precision model and fake-quantise it with a preset (initialised as the preset says), then
+    optionally load a qat run's `quantizer.safetensors` (its trained scales, zeros, codebooks)."""
+    student = quantize_(models.load_causal_lm(model, attn_implementation=attn_implementation), get_preset(quant))
+    if quantizer:
+        load_quantizer_state_(student, quantizer)
+    return student
 
 
 def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lora_alpha: float = 32.0):
@@ -189,16 +206,16 @@ def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
         p.copy_(saved[name].to(p.device, p.dtype))
 
 
-def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KDLossConfig, chunk_size: int,
-                 checkpoint: Callable | None = None) -> dict[str, torch.Tensor]:
+def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KDLossConfig,
+                 chunk_size: int) -> dict[str, torch.Tensor]:
     """Student forward + KD loss. With chunk_size > 0 the decoder runs alone and lm_head + loss run in
-    chunks of positions (recomputed in backward when `checkpoint` is given), never holding B x L x V logits."""
+    chunks of positions (`kd_loss_chunked`), never holding B x L x V logits."""
     if chunk_size <= 0:
         return kd_loss(model(input_ids=batch["input_ids"]).logits, batch, cfg)
     decoder, head = models.decoder_and_head(model)
     hidden = decoder(input_ids=batch["input_ids"]).last_hidden_state
     weight, bias = models.head_weight_and_bias(head)
-    return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias, checkpoint)
+    return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias)
 
 
 def batches_per_epoch(cache: KDCache, batch_size: int, rank: int = 0, world_size: int = 1) -> int:
@@ -228,7 +245,8 @@ def _prepare_out(cfg: TrainConfig, resuming: bool) -> Path:
         if not (cfg.overwrite or cfg.resume == "auto"):
             raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
                              "another folder")
-        names = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPTER_DIR, QUANTIZER_FILE, BEST_DIR)
+        names = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPTER_DIR, QUANTIZER_FILE, BEST_DIR,
+                 TENSORBOARD_DIR)
         for path in [out / name for name in names] + list(out.glob(ckpt.PREFIX + "*")) + \
                 list(out.glob(f".{ckpt.PREFIX}*")):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -289,7 +307,7 @@ def _load_student(cfg: TrainConfig, device: torch.device, backend: Backend, cach
     if not backend.is_master:
         backend.rendezvous("master-loaded")
     tokenizer = models.load_tokenizer(cfg.model)
-    student = build_student(cfg.model, cfg.quant, resolve_attn(cfg.attn_implementation, device))
+    student = build_student(cfg.model, cfg.quant, resolve_attn(cfg.attn_implementation, device), cfg.quantizer)
     if backend.is_master:
         backend.rendezvous("master-loaded")
     cache.check_compatible(tokenizer, models.vocab_size(student), models.max_positions(student))
@@ -378,7 +396,7 @@ def _restore(run: _Run, path: Path) -> None:
     run.step, run.best_eval_loss = state["step"], state["best_eval_loss"]
 
 
-def _evaluate(run: _Run, metrics_file) -> None:
+def _evaluate(run: _Run, metrics: ckpt.MetricsLog) -> None:
     """Held-out KD loss and top-1 on the master; a new best is saved to `best/` (by eval loss, not train loss)."""
     from .evaluate import kd_metrics  # evaluate imports this module
 
@@ -387,8 +405,7 @@ def _evaluate(run: _Run, metrics_file) -> None:
         result = kd_metrics(run.model, run.cache, run.cfg.batch_size, run.device)
         run.model.train()
         result["eval_loss"] = run.cfg.alpha * result["kd_soft_ce"] + (1.0 - run.cfg.alpha) * result["kd_ce"]
-        metrics_file.write(json.dumps({"step": run.step, **result}) + "\n")
-        metrics_file.flush()
+        metrics.write({"step": run.step, **result})
         if run.best_eval_loss is None or result["eval_loss"] < run.best_eval_loss:
             run.best_eval_loss = result["eval_loss"]
             tmp = run.out / (BEST_DIR + ".tmp")
@@ -400,8 +417,7 @@ def _evaluate(run: _Run, metrics_file) -> None:
     run.backend.rendezvous(f"eval-{run.step}")
 
 
-def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dtype,
-                    checkpoint) -> tuple[dict, torch.Tensor]:
+def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dtype) -> tuple[dict, torch.Tensor]:
     """One optimizer step: micro-steps (forward, loss, backward), gradient mean over ranks, clip, update.
 
     Returns device tensors (loss parts averaged over micro-steps, grad norm); nothing is read to the host.
@@ -410,7 +426,7 @@ def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dt
     for micro in range(cfg.accumulation_steps):
         batch = run.backend.shard_batch({k: v.to(run.device) for k, v in next(batches).items()})
         with dev.autocast(run.device, amp_dtype):
-            parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size, checkpoint)
+            parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size)
         (parts["loss"] / cfg.accumulation_steps).backward()
         for key in ("loss", "soft_ce", "kl", "ce"):
             totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps
@@ -445,7 +461,8 @@ def _finish(run: _Run, started: float, first_step: int, compiled_by_step_2: int,
     return summary
 
 
-def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics_file, progress, clock: dict) -> None:
+def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics: ckpt.MetricsLog, progress,
+              clock: dict) -> None:
     """Queue this step's metrics record; its tensors are read in a step closure (after the graph ran on XLA)."""
     now = time.perf_counter()
     tokens = (run.step - clock["last_step"]) * run.tokens_per_step
@@ -456,8 +473,7 @@ def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics_file, pr
 
     def write_metrics():
         record.update({k: float(v) for k, v in totals.items()}, grad_norm=float(grad_norm))
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+        metrics.write(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
 
     dev.add_step_closure(run.device, write_metrics)
@@ -476,6 +492,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
         log(f"{cfg.out} already holds a finished run of {cfg.max_steps} steps; nothing to resume")
         return json.loads(finished.read_text())  # a preemption loop may rerun the command once more
     device = dev.resolve_device(cfg.device)
+    if device.type == "cpu":
+        dev.tune_host_allocator()
     backend = backend or init_backend(device, cfg.dist_timeout_s)
     if device.type == "cuda" and backend.world_size > 1:
         device = torch.device("cuda", backend.local_rank)
@@ -484,27 +502,28 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
         dev.init_xla_cache(cfg.xla_cache_dir, backend.rank)
     master = backend.is_master
     run = _set_up(cfg, device, backend, log if master else (lambda _: None))
-    loss_cfg, amp_dtype = KDLossConfig(cfg.temperature, cfg.alpha), dev.autocast_dtype(device, cfg.precision)
-    checkpoint = dev.checkpoint_fn(device)
+    loss_cfg = KDLossConfig(cfg.temperature, cfg.alpha, cfg.renormalize_topk)
+    amp_dtype = dev.autocast_dtype(device, cfg.precision)
     first_step = run.step
     batches = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
                               start=first_step * cfg.accumulation_steps)
-    metrics_file = ckpt.open_metrics(run.out / METRICS_FILE, run.step) if master else None
+    metrics = ckpt.MetricsLog(run.out / METRICS_FILE, run.step,
+                              run.out / TENSORBOARD_DIR if cfg.tensorboard else None) if master else None
     progress = tqdm(total=cfg.max_steps, initial=first_step, desc="train", unit="step", disable=not master)
     started, compiled_by_step_2 = time.perf_counter(), 0
     clock = {"started": started, "last_time": started, "last_step": first_step}
     backend.rendezvous("start")
     with ckpt.StopSignal() as stop:
         while run.step < cfg.max_steps:
-            totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype, checkpoint)
+            totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype)
             run.step += 1
             if master and (run.step % cfg.log_steps == 0 or run.step == cfg.max_steps):
-                _log_step(run, totals, grad_norm, metrics_file, progress, clock)
+                _log_step(run, totals, grad_norm, metrics, progress, clock)
             progress.update(1)
             if run.step == first_step + 2:
                 compiled_by_step_2 = dev.compile_metrics().get("graphs_compiled", 0)
             if cfg.eval_steps and (run.step % cfg.eval_steps == 0 or run.step == cfg.max_steps):
-                _evaluate(run, metrics_file)
+                _evaluate(run, metrics)
             stopping = backend.any(stop.signum is not None)
             if stopping or (cfg.save_steps and run.step % cfg.save_steps == 0 and run.step < cfg.max_steps):
                 saved = _save_checkpoint(run)
@@ -519,7 +538,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
     backend.rendezvous("end")
     summary = {}
     if master:
-        metrics_file.close()
+        metrics.close()
         summary = _finish(run, started, first_step, compiled_by_step_2, log)
     backend.shutdown()
     return summary

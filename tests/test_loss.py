@@ -120,11 +120,10 @@ def test_config_rejects_bad_values():
         KDLossConfig(alpha=1.5)
 
 
-@pytest.mark.parametrize("chunk_size,temperature,alpha", [(3, 1.0, 1.0), (4, 2.0, 0.6), (100, 1.0, 0.0)])
-def test_chunked_loss_equals_plain_in_value_and_gradient(chunk_size, temperature, alpha):
+@pytest.mark.parametrize("chunk_size,temperature,alpha,renormalize", [
+    (3, 1.0, 1.0, False), (4, 2.0, 0.6, False), (100, 1.0, 0.0, False), (5, 1.0, 0.8, True)])
+def test_chunked_loss_equals_plain_in_value_and_gradient(chunk_size, temperature, alpha, renormalize):
     from qat_lora.loss import kd_loss_chunked
-    import functools
-    import torch.utils.checkpoint
 
     gen = torch.Generator().manual_seed(20)
     hidden = torch.randn(B, L, 6, dtype=torch.float64, generator=gen)
@@ -133,18 +132,33 @@ def test_chunked_loss_equals_plain_in_value_and_gradient(chunk_size, temperature
     mask = torch.ones(B, L, dtype=torch.uint8)
     mask[0, -2:] = 0
     batch = _batch(_logits(21), 4, mask)
-    cfg = KDLossConfig(temperature=temperature, alpha=alpha)
-    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    plain = kd_loss(torch.nn.functional.linear(h1, w1, bias), batch, cfg)
-    plain["loss"].backward()
-    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    chunked = kd_loss_chunked(h2, w2, batch, cfg, chunk_size, bias, checkpoint)
-    chunked["loss"].backward()
+    cfg = KDLossConfig(temperature=temperature, alpha=alpha, renormalize_topk=renormalize)
+    h1, w1, b1 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    plain = kd_loss(torch.nn.functional.linear(h1, w1, b1), batch, cfg)
+    (2.5 * plain["loss"]).backward()  # an upstream gradient other than 1 (loss scaling, accumulation)
+    h2, w2, b2 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    chunked = kd_loss_chunked(h2, w2, batch, cfg, chunk_size, b2)
+    (2.5 * chunked["loss"]).backward()
     for key in ("loss", "soft_ce", "kl", "ce", "top1", "kd_tokens", "ce_tokens"):
         torch.testing.assert_close(chunked[key], plain[key], atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(w2.grad, w1.grad, atol=1e-12, rtol=1e-12)
+    for got, want in ((h2, h1), (w2, w1), (b2, b1)):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-12, rtol=1e-12)
+    with torch.no_grad():  # evaluation takes the path without gradients: same values
+        evaluated = kd_loss_chunked(h2, w2, batch, cfg, chunk_size, b2)
+    for key in ("loss", "soft_ce", "kl", "ce", "top1"):
+        torch.testing.assert_close(evaluated[key], plain[key], atol=1e-12, rtol=1e-12)
+
+
+def test_chunked_loss_gradient_flows_only_through_the_loss_and_only_to_what_needs_it():
+    from qat_lora.loss import kd_loss_chunked
+
+    gen = torch.Generator().manual_seed(22)
+    hidden = torch.randn(B, L, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(V, 6, dtype=torch.float64, generator=gen)  # frozen head (the LoRA case)
+    parts = kd_loss_chunked(hidden, weight, _batch(_logits(23), 4), KDLossConfig(), 3)
+    assert parts["loss"].requires_grad and not parts["soft_ce"].requires_grad and not parts["kl"].requires_grad
+    parts["loss"].backward()
+    assert weight.grad is None and hidden.grad.abs().sum() > 0
 
 
 def test_sampled_targets_are_unbiased_for_the_full_soft_cross_entropy():
@@ -175,8 +189,6 @@ def test_sampled_targets_are_unbiased_for_the_full_soft_cross_entropy():
 
 
 def test_chunked_loss_equals_plain_for_sampled_targets():
-    import functools
-    import torch.utils.checkpoint
     from qat_lora.encodings import SampledEncoding, encode_rows
     from qat_lora.loss import kd_loss_chunked
 
@@ -192,8 +204,7 @@ def test_chunked_loss_equals_plain_for_sampled_targets():
     h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
     plain = kd_loss(h1 @ weight.T, batch, cfg)
     plain["loss"].backward()
-    chunked = kd_loss_chunked(h2, weight, batch, cfg, 3, None,
-                              functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+    chunked = kd_loss_chunked(h2, weight, batch, cfg, 3)
     chunked["loss"].backward()
     for key in ("loss", "soft_ce", "ce", "top1"):
         torch.testing.assert_close(chunked[key], plain[key], atol=1e-12, rtol=1e-12)

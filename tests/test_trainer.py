@@ -201,6 +201,39 @@ def test_two_gloo_ranks_make_the_same_update_as_one_rank_with_twice_the_batch(te
     assert [r["step"] for r in _curve(multi)] == [1, 2, 3]  # only the master writes metrics
 
 
+def test_two_ranks_sigkill_then_resume_equals_an_uninterrupted_torchrun_launch(teacher_dir, cache_dir, tmp_path):
+    """Multi-rank resume (every rank's RNG and data position) and a torchrun launch, against each other."""
+    import os
+    import signal as signals
+
+    flags = ("--max-steps", "10", "--save-steps", "2", "--keep-checkpoints", "2")
+    reference = tmp_path / "torchrun"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                "qat_lora.cli", *_cli(teacher_dir, cache_dir, reference, *flags)[3:]]
+    result = subprocess.run(torchrun, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((reference / "summary.json").read_text())["world_size"] == 2
+    run = tmp_path / "run"
+    launch = [sys.executable, str(ROOT / "scripts" / "train_recovery_lora_multi.py"), "--num-chips", "2",
+              *_cli(teacher_dir, cache_dir, run, *flags, "--resume", "auto")[4:]]
+    proc = subprocess.Popen(launch, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not ckpt.list_checkpoints(run) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signals.SIGKILL)  # the launcher and both ranks, with no chance to save
+    proc.wait()
+    killed_at = ckpt.step_of(ckpt.list_checkpoints(run)[-1])
+    assert 2 <= killed_at < 10 and not (run / "adapter").exists()
+    result = subprocess.run(launch, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {run / f'checkpoint-{killed_at}'}" in result.stdout + result.stderr
+    a = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _curve(run) == _curve(reference) and [r["step"] for r in _curve(run)] == list(range(1, 11))
+
+
 FAILING_RANK = """
 import torch
 from qat_lora.distributed import init_backend
@@ -250,3 +283,18 @@ def test_unavailable_devices_and_bad_flags_are_one_line_errors(teacher_dir, cach
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
         "train_recovery_lora_multi: error: --parallel spmd with --device cpu: SPMD needs --device xla")
+
+
+def test_tensorboard_scalars_match_the_metrics_file(teacher_dir, cache_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "tb"
+    train(_cfg(teacher_dir, cache_dir, run, max_steps=4, eval_steps=2, tensorboard=True), **QUIET)
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    logged = [(s.step, s.value) for s in events.Scalars("train/loss")]
+    expected = [(r["step"], r["loss"]) for r in _curve(run)]
+    assert [step for step, _ in logged] == [step for step, _ in expected] == [1, 2, 3, 4]
+    for (_, got), (_, want) in zip(logged, expected):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert [s.step for s in events.Scalars("eval/eval_loss")] == [2, 4]

@@ -1,0 +1,21 @@
+"""device.py helpers that touch the host process: run in subprocesses (they change process-wide state)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+_PROBE = "from qat_lora.device import tune_host_allocator; print(tune_host_allocator())"
+
+
+def _probe(env: dict) -> str:
+    return subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt exists only on Linux")
+def test_host_allocator_is_tuned_on_glibc_unless_the_user_set_malloc_variables():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else ""
+    assert _probe(env) == ("True" if libc.startswith("glibc") else "False")
+    assert _probe({**env, "MALLOC_TOP_PAD_": "0"}) == "False"  # the user's own setting wins, untouched
