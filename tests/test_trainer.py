@@ -17,11 +17,10 @@ from qat_lora import checkpoint as ckpt
 from qat_lora.cache import CacheBuildConfig, KDCache, batch_order, build_cache
 from qat_lora.cli import main
 from qat_lora.distributed import launch_local
-from qat_lora.evaluate import kd_metrics
-from qat_lora.lora import load_recovery_lora
+from qat_lora.evaluate import kd_metrics, load_model_for_eval
 from qat_lora.quant import quantizer_parameters
 from qat_lora.train import (TRAIN_PRESETS, TrainConfig, build_student, enable_activation_checkpointing_,
-                            load_quantizer_state_, make_trainable_,
+                            make_trainable_,
                             quantizer_state_dict, train)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,13 +68,28 @@ def test_preset_trains_exactly_its_parameters(preset, teacher_dir):
     assert ("lora" in TRAIN_PRESETS[preset]) == hasattr(model, "peft_config")
 
 
-def _heldout(teacher_dir, cache_dir, run: Path | None) -> float:
-    student = build_student(str(teacher_dir), "w2g32")
+def _heldout(teacher_dir, cache_dir, run: Path | None, quantizer: Path | None = None) -> float:
+    """Held-out KD soft CE of the student a run trained, loaded the way `qat-lora eval` loads it."""
     if run is not None and (run / "quantizer.safetensors").exists():
-        load_quantizer_state_(student, run / "quantizer.safetensors")
-    if run is not None and (run / "adapter").exists():
-        student = load_recovery_lora(student, run / "adapter")
-    return kd_metrics(student.eval(), KDCache(cache_dir), 8, torch.device("cpu"))["kd_soft_ce"]
+        quantizer = run / "quantizer.safetensors"
+    adapter = run / "adapter" if run is not None and (run / "adapter").exists() else ""
+    student = load_model_for_eval(str(teacher_dir), "w2g32", str(adapter), quantizer=str(quantizer or ""))
+    return kd_metrics(student, KDCache(cache_dir), 8, torch.device("cpu"))["kd_soft_ce"]
+
+
+def test_recovery_lora_can_start_from_a_qat_run(teacher_dir, cache_dir, tmp_path):
+    qat = tmp_path / "qat"
+    train(_cfg(teacher_dir, cache_dir, qat, preset="qat", max_steps=6), **QUIET)
+    student = build_student(str(teacher_dir), "w2g32", quantizer=str(qat / "quantizer.safetensors"))
+    saved = load_file(str(qat / "quantizer.safetensors"))
+    assert all(torch.equal(v, saved[k]) for k, v in quantizer_state_dict(student).items())
+    lora = tmp_path / "lora"
+    train(_cfg(teacher_dir, cache_dir, lora, quantizer=str(qat / "quantizer.safetensors")), **QUIET)
+    assert json.loads((lora / "config.json").read_text())["quantizer"] == str(qat / "quantizer.safetensors")
+    after_qat = _heldout(teacher_dir, cache_dir, None, qat / "quantizer.safetensors")
+    assert _heldout(teacher_dir, cache_dir, lora, qat / "quantizer.safetensors") < after_qat - 0.005
+    with pytest.raises(ValueError, match="--quantizer .*no such file"):
+        _cfg(teacher_dir, cache_dir, lora, quantizer=str(tmp_path / "missing.safetensors"))
 
 
 @pytest.mark.parametrize("preset", list(TRAIN_PRESETS))
