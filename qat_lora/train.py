@@ -22,7 +22,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -145,7 +145,10 @@ def resolve_attn(attn_implementation: str, device: torch.device) -> str:
 def build_student(model: str, quant: str, attn_implementation: str = "sdpa", quantizer: str = "") -> torch.nn.Module:
     """Load the full-precision model and fake-quantise it with a preset (initialised as the preset says), then
     optionally load a qat run's `quantizer.safetensors` (its trained scales, zeros, codebooks)."""
-    student = quantize_(models.load_causal_lm(model, attn_implementation=attn_implementation), get_preset(quant))
+    config = get_preset(quant)
+    if quantizer:  # every quantiser tensor is overwritten: skip the preset's (possibly slow) init search
+        config = replace(config, init="rtn")
+    student = quantize_(models.load_causal_lm(model, attn_implementation=attn_implementation), config)
     if quantizer:
         load_quantizer_state_(student, quantizer)
     return student
@@ -295,6 +298,8 @@ class _Run:
     device: torch.device
     step: int = 0  # optimizer steps done
     best_eval_loss: float | None = None
+    wall_s_before: float = 0.0  # training time of the processes before a resume
+    started: float = 0.0  # perf_counter when this process's loop began
 
 
 def _batch(cfg: TrainConfig, backend: Backend) -> int:
@@ -370,6 +375,7 @@ def _save_checkpoint(run: _Run) -> Path | None:
     epoch, batch = divmod(consumed, batches_per_epoch(run.cache, _batch(cfg, backend), 0, backend.world_size))
     state = {"step": run.step, "micro_batches": consumed, "epoch": epoch, "batch_in_epoch_rank0": batch,
              "world_size": backend.world_size * backend.data_parallel, "best_eval_loss": run.best_eval_loss,
+             "wall_s": run.wall_s_before + time.perf_counter() - run.started,
              "scheduler": run.scheduler.state_dict(), "optimizer": opt_meta, "config": asdict(cfg)}
     tensors = {ckpt.TRAINABLE_FILE: dict(run.params), ckpt.OPTIMIZER_FILE: opt_tensors, ckpt.RNG_FILE: rng}
     return ckpt.save_checkpoint(run.out, run.step, tensors, state, lambda d: save_artifacts(run.model, cfg.preset, d),
@@ -394,6 +400,7 @@ def _restore(run: _Run, path: Path) -> None:
     ckpt.set_rng_state({k[len(prefix):]: v for k, v in tensors[ckpt.RNG_FILE].items() if k.startswith(prefix)},
                        run.device)
     run.step, run.best_eval_loss = state["step"], state["best_eval_loss"]
+    run.wall_s_before = state.get("wall_s", 0.0)
 
 
 def _evaluate(run: _Run, metrics: ckpt.MetricsLog) -> None:
@@ -446,7 +453,8 @@ def _finish(run: _Run, started: float, first_step: int, compiled_by_step_2: int,
     steps = run.step - first_step
     wall = time.perf_counter() - started
     summary = {"steps": run.step, "steps_this_process": steps, "tokens": run.step * run.tokens_per_step,
-               "wall_s": round(wall, 2), "tokens_per_s": round(steps * run.tokens_per_step / max(wall, 1e-9), 1),
+               "wall_s": round(run.wall_s_before + wall, 2), "wall_s_this_process": round(wall, 2),
+               "tokens_per_s": round(steps * run.tokens_per_step / max(wall, 1e-9), 1),
                "device": str(run.device), "world_size": run.backend.world_size * run.backend.data_parallel,
                "preset": run.cfg.preset, **paths, "best_eval_loss": run.best_eval_loss,
                "best": str(run.out / BEST_DIR) if run.best_eval_loss is not None else None}
@@ -511,6 +519,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
                               run.out / TENSORBOARD_DIR if cfg.tensorboard else None) if master else None
     progress = tqdm(total=cfg.max_steps, initial=first_step, desc="train", unit="step", disable=not master)
     started, compiled_by_step_2 = time.perf_counter(), 0
+    run.started = started
     clock = {"started": started, "last_time": started, "last_step": first_step}
     backend.rendezvous("start")
     with ckpt.StopSignal() as stop:

@@ -134,6 +134,8 @@ def test_sigkill_then_resume_auto_is_bit_identical(teacher_dir, cache_dir, tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _curve(run) == _curve(reference) and [r["step"] for r in _curve(run)] == list(range(1, 41))
     assert len(ckpt.list_checkpoints(run)) == 2 and not list(run.glob(".checkpoint-*"))
+    summary = json.loads((run / "summary.json").read_text())  # wall time counts the killed process's steps too
+    assert summary["wall_s"] > summary["wall_s_this_process"] > 0
     again = subprocess.run(_cli(teacher_dir, cache_dir, run, *flags, "--resume", "auto"), capture_output=True,
                            text=True, timeout=300)  # a preemption loop's extra rerun changes nothing
     assert again.returncode == 0 and "already holds a finished run" in again.stdout
