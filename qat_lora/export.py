@@ -1,10 +1,12 @@
 """Export the quantised student: the packed low-bit artefact and a dense transformers folder (DESIGN §4, §5).
 
     qat-lora export --model M --quant w3g64 [--adapter runs/w3g64/adapter] --out exports/w3g64 [--format both]
+    qat-lora export --model M --quant w3g64 --quantizer runs/qat/quantizer.safetensors --out exports/qat
 
 `packed/` holds `model.safetensors` with, per quantised linear, the integer codes packed to their bit width
-(`<name>.qweight`, uint8) and the fp16 `scale` / `zero` / `codebook` / `scale_a` / `scale_b`; every other tensor
-as in the model; a JSON header in the safetensors metadata (key `qat_lora`); `config.json` and the tokenizer.
+(`<name>.qweight`, uint8) and the fp16 `scale` / `zero` (rounded to the integer the forward uses) / `codebook` /
+`scale_a` / `scale_b`; every other tensor as in the model; a JSON header in the safetensors metadata (key
+`qat_lora`); `config.json` and the tokenizer.
 `load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
 `dense/` is a plain `save_pretrained` folder of the dequantised weights: transformers loads it without qat_lora.
 """
@@ -40,6 +42,7 @@ class ExportConfig:
     model: str = field(default="", metadata={"help": "full-precision model the student was quantised from"})
     quant: str = field(default="w3g64", metadata={"help": "quantisation preset (see `qat-lora presets`)"})
     adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
+    quantizer: str = field(default="", metadata={"help": "a qat run's quantizer.safetensors to load into the student"})
     out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, export.json)"})
     format: str = field(default="both", metadata={"help": "packed, dense or both"})
     merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
@@ -53,6 +56,11 @@ class ExportConfig:
             raise ValueError(f"--format {self.format}: use one of {', '.join(FORMATS)}")
         if self.merge_adapter and not self.adapter:
             raise ValueError("--merge-adapter needs --adapter (the run's adapter/ folder)")
+        if self.cache and not self.merge_adapter:
+            raise ValueError("--cache only feeds the merge report: add --merge-adapter (with --adapter) or drop "
+                             "--cache")
+        if self.quantizer and not Path(self.quantizer).is_file():
+            raise ValueError(f"--quantizer {self.quantizer}: no such file; pass a qat run's quantizer.safetensors")
         get_preset(self.quant)
 
 
@@ -117,7 +125,10 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
     for name, layer in _quantised_layers(model).items():
         tensors[f"{name}.qweight"] = pack_codes(layer.codes().cpu(), layer.cfg.bits)
         for key, p in layer.quant_parameters().items():
-            tensors[f"{name}.{key}"] = p.detach().cpu().to(torch.float16).contiguous()
+            # The forward uses round(zero): store that integer (exact in fp16). A QAT-trained zero is fractional,
+            # and fp16(z) can round the other way than z when z lies within fp16 precision of k + 0.5.
+            value = torch.round(p) if key == "zero" else p
+            tensors[f"{name}.{key}"] = value.detach().cpu().to(torch.float16).contiguous()
             skip.add(f"{name}.{key}")
         skip.add(f"{name}.weight")
         layers[name] = {"config": quant_config_dict(layer.cfg), "group_size": layer.group_size,
@@ -246,7 +257,7 @@ def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
 
     out = Path(cfg.out)
     tokenizer = models.load_tokenizer(cfg.model)
-    student = build_student(cfg.model, cfg.quant)
+    student = build_student(cfg.model, cfg.quant, quantizer=cfg.quantizer)
     report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant))}
     if cfg.adapter:
         student = load_recovery_lora(student, cfg.adapter).eval()
