@@ -1,0 +1,579 @@
+"""Recovery benchmark (issue 6): how much of the quantisation loss the toolkit recovers, for how much compute.
+
+For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one sampled KD cache of offline prose
+(never the eval text), then evaluates, for each preset, held-out perplexity on Wikipedia leads (context
+--eval-seq-len) and KD KL / top-1 agreement on the top-K cache's held-out split for these rows (`method`):
+
+    teacher                the full-precision model
+    ptq-rtn, ptq-init      post-training quantisation: round-to-nearest (uniform codebook for LUT presets), and the
+                           best cheap init (MSE clipping search for int, k-means codebook for LUT)
+    lora-topk-renorm       recovery LoRA on top-K targets renormalised over the K (tail dropped; the baseline)
+    lora-topk-tail         recovery LoRA on top-K + tail targets (the default; the only one swept over --ranks)
+    lora-sampled           recovery LoRA on sampled (RS-KD) targets at about the top-K cache's bytes per token
+    ce-only                recovery LoRA on plain next-token cross-entropy, no teacher (alpha = 0)
+    qat                    the quantiser's own parameters (scales, zeros, codebooks) trained by KD
+    qat+lora               qat, then recovery LoRA on top of its quantiser (tokens and wall time of both stages)
+
+Every record holds `gap_recovered` = (ppl_ptq - ppl) / (ppl_ptq - ppl_teacher) and `gap_recovered_nats` (the same
+on NLL), where ptq is the PTQ row the trained student starts from (`start_init`: the preset's own init), the
+training tokens, the wall time (PTQ rows: the init; trained rows: the training loop of every stage; the shared
+cache build is `cache_build_s`), the device and the run folder. Results go to --json, a markdown table next to it
+(.md) and PNG plots (loss curves per preset, gap recovered per method).
+
+CPU, small budget (the defaults: 40 steps of 4 x 256 tokens per run, ~41 k tokens. On an idle 2-core host a step
+takes ~10 s, as the demo measured, so ~7 min per run, ~1 min per evaluation, ~5 min for the two caches; six runs
+and eight evaluations per preset at one rank: ~50 min per preset, more for the 2-bit presets, whose MSE init runs
+again in every training run and evaluation):
+
+    python benchmarks/recovery.py --ranks 16 --presets w3g64 w2g32 --budget-name cpu-small
+
+GPU, full budget (~5 M training tokens per run, every preset, method and rank):
+
+    python benchmarks/recovery.py --device cuda --budget-name gpu-5m --max-steps 1200 --batch-size 8 \\
+        --seq-len 512 --cache-tokens 5000000 --eval-tokens 65536
+
+Resumable: rerun the same command. Rows already in --json (same key: budget, preset, method, rank and a digest of
+every setting that changes the numbers) are skipped; the JSON is rewritten atomically after each row; caches are
+built once (an interrupted build continues); each training run has its own folder under --work and continues from
+its last checkpoint (TrainConfig.resume="auto").
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from qat_lora import data, device as dev, models
+from qat_lora.assets import Assets, default_assets_dir
+from qat_lora.cache import MANIFEST, CacheBuildConfig, KDCache, build_cache, inspect_cache
+from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
+from qat_lora.evaluate import kd_metrics, load_model_for_eval, perplexity
+from qat_lora.export import bits_per_weight
+from qat_lora.files import atomic_write_json
+from qat_lora.plot import read_metrics
+from qat_lora.quant import PRESETS, get_preset, quant_config_dict, quantize_
+from qat_lora.train import TrainConfig, resolve_attn, train
+
+ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override with --teacher/--train-text/--eval-text
+PTQ_INITS = {"ptq-rtn": "rtn", "ptq-init": "mse"}  # QuantConfig.init of each PTQ row
+# TrainConfig fields each trained method sets on top of the shared ones; qat+lora chains qat and lora-topk-tail.
+TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {}, "lora-sampled": {},
+           "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {}}
+METHODS = ("teacher", *PTQ_INITS, *TRAINED)
+HOLDOUT_FRACTION = 0.05  # documents of the training prose held out for the KD metrics (as the demo)
+SAMPLED_TOLERANCE = 0.15  # |sampled / top-K bytes per token - 1| above this is reported as unmatched
+
+
+@dataclass(frozen=True)
+class Row:
+    preset: str | None  # None: the teacher
+    method: str
+    lora_r: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.preset is None:
+            return self.method
+        return f"{self.preset}/{self.method}" + (f"/r{self.lora_r}" if self.lora_r else "")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--teacher", default=str(ASSETS.teacher_dir), help="full-precision transformers model folder")
+    p.add_argument("--train-text", nargs="+", default=[str(ASSETS.train_text_dir)], help="training prose (files, folders)")
+    p.add_argument("--eval-text", default=str(ASSETS.eval_text), help="held-out text for perplexity (never trained on)")
+    p.add_argument("--work", default="runs/recovery", help="folder for the caches and the training runs")
+    p.add_argument("--json", default="docs/results/recovery.json", help="results; the .md table and .png plots go beside")
+    p.add_argument("--budget-name", default="cpu-small", help="label stored in every record (part of its key)")
+    p.add_argument("--presets", nargs="+", default=["w3g64", "w2g64", "w2g32", "lut2g32"], choices=list(PRESETS))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="rows to run (default: all)")
+    p.add_argument("--ranks", nargs="+", type=int, default=[8, 16, 32],
+                   help="LoRA ranks swept for lora-topk-tail (--main-rank is always among them)")
+    p.add_argument("--main-rank", type=int, default=16, help="LoRA rank of every other LoRA method")
+    p.add_argument("--max-steps", type=int, default=40, help="optimizer steps per training run (per stage)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (also for the cache and eval)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per cached training sequence")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of LoRA (as the demo)")
+    # Scales here are ~0.1 (SmolLM2 w3g64 median 0.12) and Adam moves each by about lr per step: 5e-4 is a
+    # <= 0.5 % change per step where LoRA's 2e-3 would be 2 %.
+    p.add_argument("--qat-lr", type=float, default=5e-4, help="peak learning rate of the quantiser parameters (qat)")
+    p.add_argument("--top-k", type=int, default=32, help="top-K cache: teacher log-probs kept per position")
+    p.add_argument("--value-bits", type=int, default=16, choices=(32, 16, 8), help="top-K cache: bits per log-prob")
+    p.add_argument("--sampled-n", type=int, default=0,
+                   help="sampled cache: draws per position; 0 = the N whose bytes per token match the top-K cache's")
+    p.add_argument("--cache-tokens", type=int, default=45_000, help="teacher tokens per cache (train + held-out)")
+    p.add_argument("--eval-tokens", type=int, default=8_192, help="Wikipedia tokens for perplexity (0 = all)")
+    p.add_argument("--eval-seq-len", type=int, default=512, help="perplexity context (<= the model's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of LoRA init and data order")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, xla or tpu")
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Cheap checks before any model loads: a typo should not wait for a cache build.
+
+    Raises:
+        ValueError: one line naming the bad value and the fix.
+    """
+    if not Path(args.teacher).is_dir():
+        raise ValueError(f"--teacher {args.teacher}: no such folder; run `qat-lora fetch-assets` or pass a "
+                         "transformers model folder")
+    if not Path(args.eval_text).exists():
+        raise ValueError(f"--eval-text {args.eval_text}: not found; pass the held-out Wikipedia leads file")
+    for path in args.train_text:
+        if not Path(path).exists():
+            raise ValueError(f"--train-text {path}: no such file or folder; pass the training prose")
+    try:
+        train_files = {f.resolve() for f in data.list_text_files(args.train_text)}
+    except ValueError as e:  # the library names its own flag
+        raise ValueError(str(e).replace("--data", "--train-text", 1)) from None
+    if any(f.resolve() in train_files for f in data.list_text_files([args.eval_text])):
+        raise ValueError(f"--eval-text {args.eval_text}: also in --train-text; the eval text must stay held out")
+    config = Path(args.teacher) / "config.json"
+    limit = json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
+    for flag, value in (("--eval-seq-len", args.eval_seq_len), ("--seq-len", args.seq_len)):
+        if limit is not None and value > limit:
+            raise ValueError(f"{flag} {value}: longer than the teacher's context ({limit} positions)")
+    for flag in ("max_steps", "batch_size", "seq_len", "cache_tokens", "eval_seq_len", "main_rank"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
+    if min(args.ranks) <= 0 or not 0 <= args.sampled_n <= 255:
+        raise ValueError("--ranks must be positive and --sampled-n in [0, 255] (0 = matched to the top-K cache)")
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def start_method(preset: str) -> str:
+    """The PTQ row a trained student of `preset` starts from: the preset's own init (what build_student builds)."""
+    return next(m for m, init in PTQ_INITS.items() if init == get_preset(preset).init)
+
+
+def plan_rows(args: argparse.Namespace) -> list[Row]:
+    """Teacher, then per preset its PTQ rows, then its trained rows, in METHODS order. The teacher and each
+    preset's start-init PTQ row are always included: every gap is measured against them."""
+    rows = [Row(None, "teacher")]
+    for preset in args.presets:
+        if set(args.methods) <= {"teacher"}:
+            break
+        # The start row first: the other rows' gaps are computed against it as soon as they finish.
+        start = start_method(preset)
+        rows += [Row(preset, m) for m in dict.fromkeys((start, *PTQ_INITS)) if m == start or m in args.methods]
+        for method in (m for m in TRAINED if m in args.methods):
+            ranks = sorted({*args.ranks, args.main_rank}) if method == "lora-topk-tail" else [args.main_rank]
+            rows += [Row(preset, method, None if method == "qat" else r) for r in ranks]
+    added = [r.label for r in rows if r.method not in args.methods]
+    if added:
+        print(f"note: also evaluating {', '.join(added)}: the gaps are measured against them")
+    return rows
+
+
+def cache_config(args: argparse.Namespace, encoding: str, num_samples: int = 0) -> CacheBuildConfig:
+    """One cache of each encoding, shared by every preset; the folder name says what it holds, so changed
+    flags build a new cache instead of mixing."""
+    what = f"topk-k{args.top_k}-v{args.value_bits}" if encoding == "topk" else f"sampled-n{num_samples}"
+    name = f"{what}-L{args.seq_len}-t{args.cache_tokens}-{_digest([args.teacher, args.train_text])}"
+    out = Path(args.work) / "caches" / name
+    return CacheBuildConfig(teacher=args.teacher, data=list(args.train_text), out=str(out),
+                            seq_len=args.seq_len, encoding=encoding, top_k=args.top_k, value_bits=args.value_bits,
+                            num_samples=num_samples or 50, max_tokens=args.cache_tokens, batch_size=args.batch_size,
+                            holdout_fraction=HOLDOUT_FRACTION, device=args.device, resume=True)
+
+
+def ensure_cache(cfg: CacheBuildConfig) -> dict:
+    """Build the cache unless its manifest exists (resume=True: a killed build continues after its last
+    shard); returns inspect_cache's summary plus the build time."""
+    if not (Path(cfg.out) / MANIFEST).exists():
+        build_cache(cfg)
+    return {**inspect_cache(cfg.out), "build_s": KDCache(cfg.out).manifest.get("build_seconds")}
+
+
+def matched_sampled_n(args: argparse.Namespace) -> int:
+    """The N whose sampled targets take about as many bytes as the top-K targets, measured by encoding the
+    teacher's distributions on two training sequences both ways (the size grows with N; N <= 255)."""
+    tokenizer, teacher = models.load_tokenizer(args.teacher), models.load_causal_lm(args.teacher).eval()
+    ids, _ = data.pack(data.token_stream(data.list_text_files(args.train_text), tokenizer, 2 * args.seq_len),
+                       args.seq_len)
+    with torch.no_grad():
+        logits = teacher(input_ids=torch.from_numpy(ids).long()).logits
+    vocab, seeds, sizes = models.vocab_size(teacher), list(range(len(ids))), {}
+
+    def size(n: int) -> int:  # bytes of the packed targets; n = 0: the top-K encoding
+        if n not in sizes:
+            encoding = SampledEncoding(n) if n else TopKEncoding(args.top_k, args.value_bits)
+            sizes[n] = sum(a.nbytes for row in encode_rows(encoding, logits, vocab, seeds) for a in row.values())
+        return sizes[n]
+
+    lo, hi = 1, 255
+    while lo < hi:  # the smallest N at least as large as the top-K targets
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if size(mid) < size(0) else (lo, mid)
+    if lo > 1 and size(0) - size(lo - 1) < size(lo) - size(0):
+        lo -= 1
+    print(f"sampled N = {lo}: {size(lo) / ids.size:.1f} target bytes per position, top-{args.top_k} at "
+          f"{args.value_bits} bits {size(0) / ids.size:.1f} (probe of {ids.size} positions)")
+    return lo
+
+
+def prepare_caches(args: argparse.Namespace, rows: list[Row]) -> dict[str, dict]:
+    """The top-K cache (always: its held-out split gives every row's KD metrics) and, if a row trains on it,
+    the sampled cache, with N matched once (remembered under --work) unless --sampled-n is given."""
+    caches = {"topk": ensure_cache(cache_config(args, "topk"))}
+    if not any(r.method == "lora-sampled" for r in rows):
+        return caches
+    n = args.sampled_n
+    if not n:
+        memo = Path(args.work) / "caches" / f"sampled-n-for-{Path(caches['topk']['path']).name}.json"
+        if not memo.exists():
+            atomic_write_json(memo, {"sampled_n": matched_sampled_n(args)})
+        n = json.loads(memo.read_text())["sampled_n"]
+    caches["sampled"] = ensure_cache(cache_config(args, "sampled", n))
+    ratio = caches["sampled"]["bytes_per_token"] / caches["topk"]["bytes_per_token"]
+    if abs(ratio - 1) > SAMPLED_TOLERANCE:
+        print(f"note: the sampled cache takes {ratio:.2f}x the top-K cache's bytes per token (N = {n}); "
+              "pass --sampled-n to match them more closely")
+    return caches
+
+
+def eval_settings(args: argparse.Namespace, caches: dict[str, dict]) -> dict:
+    """Everything that changes an evaluation's numbers (part of every row's key)."""
+    return {"teacher": args.teacher, "eval_text": args.eval_text, "eval_tokens": args.eval_tokens,
+            "eval_seq_len": args.eval_seq_len, "kd_cache": Path(caches["topk"]["path"]).name}
+
+
+def init_quantizer(args: argparse.Namespace, preset: str) -> str:
+    """The preset's initial quantiser (its own init), computed once and saved under --work, so that the MSE /
+    k-means search of the 2-bit presets (a minute or more on a CPU) does not run again in every training run
+    and evaluation: they load it through TrainConfig.quantizer. Empty for round-to-nearest presets (instant)."""
+    config = get_preset(preset)
+    if config.init == "rtn":
+        return ""
+    path = Path(args.work) / "init" / f"{preset}-{_digest([args.teacher, quant_config_dict(config)])}.safetensors"
+    if not path.exists():
+        from safetensors.torch import save_file
+
+        from qat_lora.train import build_student, quantizer_state_dict
+
+        state = quantizer_state_dict(build_student(args.teacher, preset))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, path)
+    return str(path)
+
+
+def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) -> list[dict]:
+    """TrainConfig fields of each training stage of a row, without `out` and `device` (neither changes the
+    numbers, so neither is in a digest); qat+lora's second stage starts from the first's quantizer.safetensors."""
+    if row.method == "qat+lora":
+        qat, lora = Row(row.preset, "qat"), Row(row.preset, "lora-topk-tail", row.lora_r)
+        first = stage_fields(args, qat, caches)[0]
+        return [first, {**stage_fields(args, lora, caches)[0],
+                        "quantizer": str(Path(run_dir(args, qat, first)) / "quantizer.safetensors")}]
+    r = row.lora_r or args.main_rank  # qat trains no adapter; the field is then unused
+    fields = dict(model=args.teacher, cache=caches["sampled" if row.method == "lora-sampled" else "topk"]["path"],
+                  quant=row.preset, max_steps=args.max_steps, batch_size=args.batch_size,
+                  lr=args.qat_lr if row.method == "qat" else args.lr, warmup_steps=max(1, args.max_steps // 20),
+                  lora_r=r, lora_alpha=2.0 * r, seed=args.seed, quantizer=init_quantizer(args, row.preset))
+    return [{**fields, **TRAINED[row.method]}]
+
+
+def run_dir(args: argparse.Namespace, row: Row, fields: dict) -> str:
+    """A run folder per training configuration: the same settings resume the same run, new ones start fresh."""
+    name = f"{row.preset}-{row.method.replace('+', '_')}{f'-r{row.lora_r}' if row.lora_r else ''}-{_digest(fields)}"
+    return str(Path(args.work) / "runs" / args.budget_name / name)
+
+
+def row_key(args: argparse.Namespace, row: Row, caches: dict[str, dict]) -> str:
+    """Readable prefix + a digest of every setting behind the row's numbers (eval, quantiser, training)."""
+    parts: list = [eval_settings(args, caches)]
+    if row.preset:
+        parts.append(quant_config_dict(get_preset(row.preset)))
+    if row.method in TRAINED:
+        parts.append(stage_fields(args, row, caches))
+    return f"{args.budget_name}/{row.label}/{_digest(parts)}"
+
+
+def evaluate_model(model, args: argparse.Namespace, caches: dict[str, dict], device: torch.device) -> dict:
+    """Held-out perplexity on the eval text and KD metrics on the top-K cache's held-out split."""
+    started = time.perf_counter()
+    model = model.to(device).eval()
+    tokenizer = models.load_tokenizer(args.teacher)
+    ppl = perplexity(model, tokenizer, [args.eval_text], args.eval_seq_len, args.eval_tokens or None,
+                     args.batch_size, device)
+    kd = kd_metrics(model, KDCache(caches["topk"]["path"]), args.batch_size, device)
+    return {"ppl": ppl["ppl"], "nll": ppl["nll"], "eval_tokens": ppl["tokens"],
+            **{k: kd[k] for k in ("kd_kl", "kd_top1", "kd_soft_ce", "kd_ce", "kd_tokens")},
+            "eval_s": round(time.perf_counter() - started, 2)}
+
+
+def run_teacher(args: argparse.Namespace, caches: dict[str, dict], device: torch.device) -> dict:
+    model = load_model_for_eval(args.teacher, attn_implementation=resolve_attn("auto", device))
+    return {"init": None, "tokens": 0, "steps": 0, "wall_s": 0.0, **evaluate_model(model, args, caches, device)}
+
+
+def run_ptq(args: argparse.Namespace, row: Row, caches: dict[str, dict], device: torch.device) -> dict:
+    """Quantise with the row's init (on the device: the init is the PTQ row's only compute), then evaluate."""
+    init = PTQ_INITS[row.method]
+    model = models.load_causal_lm(args.teacher, attn_implementation=resolve_attn("auto", device)).to(device)
+    started = time.perf_counter()
+    quantize_(model, replace(get_preset(row.preset), init=init))
+    dev.sync(device)
+    wall = time.perf_counter() - started
+    return {"init": init, "tokens": 0, "steps": 0, "wall_s": round(wall, 2),
+            "bits_per_weight": round(bits_per_weight(model), 4), **evaluate_model(model, args, caches, device)}
+
+
+def train_stage(args: argparse.Namespace, row: Row, fields: dict) -> dict:
+    """Train (or resume, or just read back a finished) stage; its summary as stored in the record."""
+    out = run_dir(args, row, fields)
+    summary = train(TrainConfig(**fields, out=out, device=args.device, resume="auto",
+                                save_steps=max(1, args.max_steps // 4),
+                                keep_checkpoints=1, log_steps=max(1, args.max_steps // 50)))
+    return {"run_dir": out, "train_preset": fields.get("preset", "recovery-lora"), "lr": fields["lr"],
+            "steps": summary["steps"], "tokens": summary["tokens"], "wall_s": summary["wall_s"],  # all processes
+            "tokens_per_s": summary["tokens_per_s"], "adapter": summary["adapter"],
+            "quantizer": summary["quantizer"] or fields.get("quantizer") or None}
+
+
+def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], device: torch.device) -> dict:
+    """Every stage of the row, then the trained student (its last adapter over its trained quantiser, if any)."""
+    stages = []
+    for fields in stage_fields(args, row, caches):
+        stage_row = Row(row.preset, "qat") if fields.get("preset") == "qat" else row
+        stages.append(train_stage(args, stage_row, fields))
+    quantizer = stages[-1]["quantizer"] or ""  # the last stage's starting or trained quantiser
+    model = load_model_for_eval(args.teacher, row.preset, stages[-1]["adapter"] or "",
+                                resolve_attn("auto", device), quantizer)
+    cache = caches["sampled" if row.method == "lora-sampled" else "topk"]
+    return {"init": get_preset(row.preset).init, "tokens": sum(s["tokens"] for s in stages),
+            "steps": sum(s["steps"] for s in stages), "wall_s": round(sum(s["wall_s"] for s in stages), 2),
+            "run_dir": stages[-1]["run_dir"], "stages": stages, "cache": cache["path"],
+            "cache_encoding": cache["encoding"], "cache_bytes_per_token": cache["bytes_per_token"],
+            "topk_cache_bytes_per_token": caches["topk"]["bytes_per_token"],  # what sampled targets are matched to
+            "cache_build_s": cache["build_s"], **evaluate_model(model, args, caches, device)}
+
+
+def gap_fields(record: dict, teacher: dict, ptq: dict | None) -> dict:
+    """Perplexity and NLL gaps against the teacher and the row's PTQ start point (None for the teacher itself)."""
+    def recovered(key: str) -> float | None:
+        if ptq is None:
+            return 1.0  # the teacher: the whole gap, whatever the preset
+        span = ptq[key] - teacher[key]
+        return (ptq[key] - record[key]) / span if span != 0 else None
+
+    return {"ppl_ratio": record["ppl"] / teacher["ppl"], "nll_gap_nats": record["nll"] - teacher["nll"],
+            "gap_recovered": recovered("ppl"), "gap_recovered_nats": recovered("nll"),
+            "teacher_ppl": teacher["ppl"], "teacher_nll": teacher["nll"],
+            "start_init": None if ptq is None else ptq["init"], "ptq_ppl": None if ptq is None else ptq["ppl"],
+            "ptq_nll": None if ptq is None else ptq["nll"]}
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    if device.type == "cpu":
+        return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return str(device)
+
+
+def run_row(args: argparse.Namespace, row: Row, key: str, caches: dict[str, dict], device: torch.device,
+            done: dict[str, dict]) -> dict:
+    """Produce one record: run the row, then add the gaps against the teacher and PTQ rows already recorded."""
+    if row.method == "teacher":
+        result = run_teacher(args, caches, device)
+    elif row.method in PTQ_INITS:
+        result = run_ptq(args, row, caches, device)
+    else:
+        result = run_trained(args, row, caches, device)
+    record = {"key": key, "budget": args.budget_name, "preset": row.preset, "method": row.method,
+              "lora_r": row.lora_r, "device": device_label(device), "eval_seq_len": args.eval_seq_len,
+              "cache_bytes_per_token": None, "run_dir": None, **result,
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    teacher = record if row.preset is None else done[row_key(args, Row(None, "teacher"), caches)]
+    ptq = None if row.preset is None else (
+        record if row.method == start_method(row.preset) else
+        done[row_key(args, Row(row.preset, start_method(row.preset)), caches)])
+    record.update(gap_fields(record, teacher, ptq))
+    return record
+
+
+def load_results(path: Path) -> dict:
+    if not path.exists():
+        return {"host": {}, "records": []}
+    try:
+        results = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json {path}: not valid JSON ({e}); fix or move it") from None
+    if not isinstance(results.get("records"), list):
+        raise ValueError(f"--json {path}: no `records` list; pass another --json")
+    return results
+
+
+def host_info() -> dict:
+    return {"machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    if value is None:
+        return "–"
+    if spec == "ppl":
+        return f"{value:,.2f}" if value < 1000 else f"{value:,.0f}"
+    if spec == "%":
+        return f"{100 * value:.1f} %"
+    text = format(value, spec)
+    # The teacher's KL against its own 16-bit cache is ~-2e-5 (value rounding): a zero prints without a sign.
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
+def markdown_table(records: list[dict]) -> str:
+    head = ("| budget | preset | method | r | init | ppl | NLL | NLL − teacher (nats) | ppl ÷ teacher | gap recovered "
+            "(ppl) | gap recovered (nats) | KD KL | top-1 | tokens | wall s | device |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in records:
+        lines.append(
+            f"| {r['budget']} | {r['preset'] or '–'} | {r['method']} | {r['lora_r'] or '–'} | {r['init'] or '–'} | "
+            f"{_fmt(r['ppl'], 'ppl')} | {_fmt(r['nll'])} | {_fmt(r['nll_gap_nats'])} | {_fmt(r['ppl_ratio'], '.2f')} | "
+            f"{_fmt(r['gap_recovered'], '%')} | {_fmt(r['gap_recovered_nats'], '%')} | {_fmt(r['kd_kl'])} | "
+            f"{_fmt(r['kd_top1'])} | {r['tokens']:,} | {_fmt(r['wall_s'], '.1f')} | {r['device']} |")
+    return "\n".join(lines)
+
+
+def write_markdown(json_path: Path, records: list[dict]) -> Path:
+    path = json_path.with_suffix(".md")
+    path.write_text(f"# Recovery benchmark\n\nGenerated by `benchmarks/recovery.py` from `{json_path.name}`. "
+                    "gap recovered = (ppl_PTQ − ppl) / (ppl_PTQ − ppl_teacher), PTQ = the row the student starts "
+                    "from (init = the preset's own); nats: the same on NLL. Wall: PTQ init or training (all stages; "
+                    "the shared cache build excluded).\n\n" + markdown_table(records) + "\n")
+    return path
+
+
+def _curve(stages: list[dict]) -> tuple[list[int], list[float], list[float]]:
+    """Training tokens, objective and next-token CE of a row's stages, one after the other."""
+    tokens, loss, ce, offset = [], [], [], 0
+    for stage in stages:
+        per_step = stage["tokens"] // max(1, stage["steps"])
+        train_records, _ = read_metrics(stage["run_dir"])
+        tokens += [offset + r["step"] * per_step for r in train_records]
+        loss += [r["loss"] for r in train_records]
+        ce += [r["ce"] for r in train_records]
+        offset += stage["tokens"]
+    return tokens, loss, ce
+
+
+def _label(record: dict) -> str:
+    return record["method"] + (f" r{record['lora_r']}" if record["lora_r"] else "")
+
+
+def plot_curves(plt, preset: str, records: list[dict], path: Path) -> Path:
+    fig, (ax_loss, ax_ce) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in records:
+        try:
+            tokens, loss, ce = _curve(r["stages"])
+        except ValueError as e:  # a record whose run folder is gone (another machine's --work): no curve
+            print(f"note: no loss curve for {preset}/{_label(r)}: {e}")
+            continue
+        ax_loss.plot(tokens, loss, label=_label(r))
+        ax_ce.plot(tokens, ce, label=_label(r))
+    # The objectives differ by method (renormalised, tail, sampled, CE); the next-token CE is comparable.
+    ax_loss.set(xlabel="training tokens", ylabel="training objective", title=f"{preset}: loss")
+    ax_ce.set(xlabel="training tokens", ylabel="next-token CE (nats)", title=f"{preset}: CE on the training prose")
+    ax_loss.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_gaps(plt, records: list[dict], path: Path) -> Path:
+    rows = [r for r in records if r["preset"]]
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    width = 0.8 / max(1, len(labels))
+    for ax, key, unit in zip(axes, ("gap_recovered", "gap_recovered_nats"), ("perplexity", "NLL")):
+        for i, label in enumerate(labels):
+            values = {r["preset"]: r[key] for r in rows if _label(r) == label}
+            ax.bar([p + i * width for p in range(len(presets))], [100 * (values.get(p) or 0.0) for p in presets],
+                   width, label=label)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xticks([p + 0.4 - width / 2 for p in range(len(presets))], presets)
+        ax.set(ylabel="gap recovered (%)", title=f"gap recovered, {unit}")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(json_path: Path, records: list[dict]) -> list[Path]:
+    """Loss curves per preset and gap recovered per method, for the records of this budget."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
+    stem = json_path.with_suffix("")
+    paths = []
+    for preset in dict.fromkeys(r["preset"] for r in records if r.get("stages")):
+        trained = [r for r in records if r["preset"] == preset and r.get("stages")]
+        paths.append(plot_curves(plt, preset, trained, Path(f"{stem}_loss_{preset}.png")))
+    if any(r["preset"] for r in records):
+        paths.append(plot_gaps(plt, records, Path(f"{stem}_gap.png")))
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run every row not yet in --json; returns the results ({"host", "records"})."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate(args)
+        device = dev.resolve_device(args.device)
+    except ValueError as e:
+        parser.error(str(e))
+    json_path = Path(args.json)
+    results = load_results(json_path)
+    rows = plan_rows(args)
+    caches = prepare_caches(args, rows)
+    done = {r["key"]: r for r in results["records"]}
+    for row in rows:
+        key = row_key(args, row, caches)
+        if key in done:
+            print(f"{row.label}: already in {json_path} (key {key}); skipped")
+            continue
+        print(f"{row.label}: running")
+        record = run_row(args, row, key, caches, device, done)
+        done[key] = record
+        results = {"host": host_info(), "records": [*results["records"], record]}
+        atomic_write_json(json_path, results)
+        print(f"{row.label}: ppl {record['ppl']:.3f}, gap recovered {_fmt(record['gap_recovered'], '%')}, "
+              f"{record['tokens']:,} tokens, {record['wall_s']:.1f} s")
+    print(markdown_table(results["records"]))
+    write_markdown(json_path, results["records"])
+    this_budget = [r for r in results["records"] if r["budget"] == args.budget_name]
+    for path in write_plots(json_path, this_budget):
+        print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:  # library errors name the bad value and the fix: one line, no traceback
+        sys.exit(f"recovery.py: error: {e}")
