@@ -3,6 +3,7 @@
     python benchmarks/quant_bench.py timing                                   # fwd+bwd ÷ nn.Linear
     python benchmarks/quant_bench.py ppl --presets w3g64 w2g64 --teacher-row  # PTQ ppl, RTN vs default init
     python benchmarks/quant_bench.py ppl --presets w3g64 --fp32-scales        # + the effect of fp16 scales
+    python benchmarks/quant_bench.py ppl --presets w2g32 --data-aware         # + activation-weighted init
 
 Results are merged into --json (default docs/results/quant_bench.json) and printed as a markdown table.
 """
@@ -86,8 +87,20 @@ def fp32_scales():
         quant._fp16_ste, quant_init.snap_fp16 = saved
 
 
+def _calibration_batches(teacher: str, calib_text: str, seq_len: int, num_batches: int) -> list[torch.Tensor]:
+    """`num_batches` x [4, seq_len] input_ids from the training text (never the eval text)."""
+    from qat_lora import data
+
+    stream = data.token_stream(data.list_text_files([calib_text]), load_tokenizer(teacher), 4 * seq_len * num_batches)
+    ids, _ = data.pack(stream, seq_len)
+    ids = torch.as_tensor(ids[:4 * num_batches], dtype=torch.long)
+    return list(ids.split(4))
+
+
 def run_ppl(presets: list[str], teacher_row: bool, with_fp32: bool, tokens: int, seq_len: int, teacher: str,
-            eval_text: str) -> list[dict]:
+            eval_text: str, calib_text: str = "", calib_batches: int = 8) -> list[dict]:
+    """PTQ perplexity per preset: round-to-nearest, the MSE/k-means init, and with `calib_text` the
+    activation-weighted init (`calibrate` on `calib_batches` x 4 sequences of the training text)."""
     tokenizer = load_tokenizer(teacher)
     device = torch.device("cpu")
     variants = [("teacher", None, "", False)] if teacher_row else []
@@ -96,13 +109,17 @@ def run_ppl(presets: list[str], teacher_row: bool, with_fp32: bool, tokens: int,
         variants += [(name, replace(cfg, init="rtn"), "rtn", False), (name, replace(cfg, init="mse"), "mse", False)]
         if with_fp32:
             variants.append((name, replace(cfg, init="mse"), "mse", True))
+        if calib_text:
+            variants.append((name, replace(cfg, init="mse"), "mse+act", False))
+    calibration = _calibration_batches(teacher, calib_text, seq_len, calib_batches) if calib_text else []
     rows = []
     for name, cfg, init, fp32 in variants:
         started = time.perf_counter()
         with fp32_scales() if fp32 else contextlib.nullcontext():
             model = load_causal_lm(teacher, attn_implementation="sdpa")
             if cfg is not None:
-                quantize_(model, cfg)
+                importance = quant.calibrate(model, calibration, cfg) if init == "mse+act" else None
+                quantize_(model, cfg, importance=importance)
             init_s = time.perf_counter() - started
             result = perplexity(model, tokenizer, [eval_text], seq_len, tokens, 4, device)
         row = {"model": name, "init": init or "-", "scales": "fp32" if fp32 else "fp16", "ppl": result["ppl"],
@@ -126,6 +143,10 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["w3g64", "w2g64", "w2g32", "lut2g32"])
     parser.add_argument("--teacher-row", action="store_true", help="also evaluate the full-precision teacher")
     parser.add_argument("--fp32-scales", action="store_true", help="also evaluate the default init with fp32 scales")
+    parser.add_argument("--data-aware", action="store_true",
+                        help="also evaluate the activation-weighted init, calibrated on --calib-text")
+    parser.add_argument("--calib-text", default=str(ASSETS.train_text_dir), help="training text for calibration")
+    parser.add_argument("--calib-batches", type=int, default=8, help="calibration batches of 4 sequences")
     parser.add_argument("--tokens", type=int, default=16_384, help="perplexity token budget (same for every row)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--timing-tokens", type=int, default=1024, help="rows of x in the timing (batch x seq)")
@@ -143,7 +164,7 @@ def main() -> None:
         results["timing"] = run_timing(args.timing_tokens, args.reps)
     else:
         rows = run_ppl(args.presets, args.teacher_row, args.fp32_scales, args.tokens, args.seq_len, args.teacher,
-                       args.eval_text)
+                       args.eval_text, args.calib_text if args.data_aware else "", args.calib_batches)
         keep = [r for r in results.get("ppl", []) if (r["model"], r["init"], r["scales"]) not in
                 {(n["model"], n["init"], n["scales"]) for n in rows}]
         results["ppl"] = keep + rows

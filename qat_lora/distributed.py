@@ -250,13 +250,18 @@ def python_module_cmd(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def _xla_rank(index: int, train_argv: list[str]) -> None:
+def _xla_rank(index: int, num_chips: int, train_argv: list[str]) -> None:
     """One torch_xla replica: parse the train flags and train with the XLA backend."""
     from .cli import build_parser, config_from_args
     from .train import TrainConfig, train
 
     cfg = config_from_args(TrainConfig, build_parser().parse_args(["train", *train_argv]))
-    train(cfg, backend=XlaBackend())
+    backend = XlaBackend()
+    if backend.world_size != num_chips:  # torch_xla.launch starts one replica per visible chip
+        raise ValueError(f"--num-chips {num_chips}: torch_xla started {backend.world_size} replicas (one per "
+                         f"visible chip); pass --num-chips {backend.world_size}, or limit the chips with "
+                         "TPU_VISIBLE_CHIPS / TPU_PROCESS_BOUNDS")
+    train(cfg, backend=backend)
 
 
 def _train_spmd(num_chips: int, train_argv: list[str]) -> int:
@@ -310,7 +315,7 @@ def run_multi(num_chips: int, parallel: str, train_argv: list[str], log: Callabl
         import torch_xla
 
         log(f"starting torch_xla replicas for {num_chips} chips")
-        torch_xla.launch(_xla_rank, args=(list(train_argv),))
+        torch_xla.launch(_xla_rank, args=(num_chips, list(train_argv)))
         return 0
     log(f"starting {num_chips} local ranks ({'NCCL' if device == 'cuda' else 'gloo'})")
     return exit_code(launch_local(python_module_cmd("qat_lora.cli", ["train", *train_argv]), num_chips, log=log))
