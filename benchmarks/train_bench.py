@@ -47,8 +47,10 @@ def _plain_peft_step(args) -> float:
     from peft import LoraConfig, get_peft_model
 
     from qat_lora.cache import KDCache
+    from qat_lora.device import tune_host_allocator
     from qat_lora.models import load_causal_lm
 
+    tune_host_allocator()  # as `qat-lora train` does on the CPU: both sides run with the same allocator settings
     torch.manual_seed(0)
     model = load_causal_lm(args.teacher, attn_implementation="sdpa")
     targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
