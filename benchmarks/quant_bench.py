@@ -3,7 +3,7 @@
     python benchmarks/quant_bench.py timing                                   # fwd+bwd ÷ nn.Linear
     python benchmarks/quant_bench.py ppl --presets w3g64 w2g64 --teacher-row  # PTQ ppl, RTN vs default init
     python benchmarks/quant_bench.py ppl --presets w3g64 --fp32-scales        # + the effect of fp16 scales
-    python benchmarks/quant_bench.py ppl --presets w2g32 --data-aware         # + activation-weighted init
+    python benchmarks/quant_bench.py ppl --presets w2g32 --inits mse+act      # activation-weighted init
 
 Results are merged into --json (default docs/results/quant_bench.json) and printed as a markdown table.
 """
@@ -98,20 +98,21 @@ def _calibration_batches(teacher: str, calib_text: str, seq_len: int, num_batche
 
 
 def run_ppl(presets: list[str], teacher_row: bool, with_fp32: bool, tokens: int, seq_len: int, teacher: str,
-            eval_text: str, calib_text: str = "", calib_batches: int = 8) -> list[dict]:
-    """PTQ perplexity per preset: round-to-nearest, the MSE/k-means init, and with `calib_text` the
-    activation-weighted init (`calibrate` on `calib_batches` x 4 sequences of the training text)."""
+            eval_text: str, calib_text: str = "", calib_batches: int = 8,
+            inits: tuple[str, ...] = ("rtn", "mse")) -> list[dict]:
+    """PTQ perplexity per preset for each of `inits`: round-to-nearest, the MSE/k-means init, and (`mse+act`,
+    needs `calib_text`) the activation-weighted init (`calibrate` on `calib_batches` x 4 training sequences)."""
     tokenizer = load_tokenizer(teacher)
     device = torch.device("cpu")
     variants = [("teacher", None, "", False)] if teacher_row else []
     for name in presets:
         cfg = get_preset(name)
-        variants += [(name, replace(cfg, init="rtn"), "rtn", False), (name, replace(cfg, init="mse"), "mse", False)]
+        variants += [(name, replace(cfg, init=init.removesuffix("+act")), init, False) for init in inits]
         if with_fp32:
             variants.append((name, replace(cfg, init="mse"), "mse", True))
-        if calib_text:
-            variants.append((name, replace(cfg, init="mse"), "mse+act", False))
-    calibration = _calibration_batches(teacher, calib_text, seq_len, calib_batches) if calib_text else []
+    if "mse+act" in inits and not calib_text:
+        raise ValueError("--inits mse+act needs --calib-text (training text for the activation statistics)")
+    calibration = _calibration_batches(teacher, calib_text, seq_len, calib_batches) if "mse+act" in inits else []
     rows = []
     for name, cfg, init, fp32 in variants:
         started = time.perf_counter()
@@ -143,8 +144,8 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["w3g64", "w2g64", "w2g32", "lut2g32"])
     parser.add_argument("--teacher-row", action="store_true", help="also evaluate the full-precision teacher")
     parser.add_argument("--fp32-scales", action="store_true", help="also evaluate the default init with fp32 scales")
-    parser.add_argument("--data-aware", action="store_true",
-                        help="also evaluate the activation-weighted init, calibrated on --calib-text")
+    parser.add_argument("--inits", nargs="+", choices=("rtn", "mse", "mse+act"), default=["rtn", "mse"],
+                        help="PTQ inits to evaluate; mse+act = MSE clipping weighted by activations of --calib-text")
     parser.add_argument("--calib-text", default=str(ASSETS.train_text_dir), help="training text for calibration")
     parser.add_argument("--calib-batches", type=int, default=8, help="calibration batches of 4 sequences")
     parser.add_argument("--tokens", type=int, default=16_384, help="perplexity token budget (same for every row)")
@@ -164,7 +165,7 @@ def main() -> None:
         results["timing"] = run_timing(args.timing_tokens, args.reps)
     else:
         rows = run_ppl(args.presets, args.teacher_row, args.fp32_scales, args.tokens, args.seq_len, args.teacher,
-                       args.eval_text, args.calib_text if args.data_aware else "", args.calib_batches)
+                       args.eval_text, args.calib_text, args.calib_batches, tuple(args.inits))
         keep = [r for r in results.get("ppl", []) if (r["model"], r["init"], r["scales"]) not in
                 {(n["model"], n["init"], n["scales"]) for n in rows}]
         results["ppl"] = keep + rows
