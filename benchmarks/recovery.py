@@ -20,10 +20,10 @@ training tokens, the wall time (PTQ rows: the init; trained rows: the training l
 cache build is `cache_build_s`), the device and the run folder. Results go to --json, a markdown table next to it
 (.md) and PNG plots (loss curves per preset, gap recovered per method).
 
-CPU, small budget (the defaults: 40 steps of 4 x 256 tokens per run, ~41 k tokens. On an idle 2-core host a step
-takes ~10 s, as the demo measured, so ~7 min per run, ~1 min per evaluation, ~5 min for the two caches; six runs
-and eight evaluations per preset at one rank: ~50 min per preset, more for the 2-bit presets, whose MSE init runs
-again in every training run and evaluation):
+CPU, small budget (the defaults: 40 steps of 4 x 256 tokens per run, ~41 k tokens). Measured on an idle 2-core
+host (docs/RESULTS.md): ~7 s per step, ~5 min per run, ~35 s per evaluation, ~9 min per cache (on a loaded host); the 2-bit and LUT
+presets' MSE / k-means init (~1-2 min) is computed once per preset and reused by every run through
+TrainConfig.quantizer:
 
     python benchmarks/recovery.py --ranks 16 --presets w3g64 w2g32 --budget-name cpu-small
 
