@@ -76,3 +76,15 @@ def teacher_dir(tmp_path_factory, tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory, tokenizer) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("qwen3"), tokenizer, "qwen3", seed=1, init_std=0.25)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
+    """A top-8 fp32 KD cache of the tiny teacher (L = 32, ~6 k tokens, 10 % of documents held out)."""
+    from qat_lora.cache import CacheBuildConfig, build_cache
+
+    out = tmp_path_factory.mktemp("cache")
+    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=32,
+                                 top_k=8, value_bits=32, max_tokens=6_000, batch_size=8, holdout_fraction=0.1,
+                                 device="cpu"), log=lambda _: None)
+    return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qat_lora.cache import CacheBuildConfig, KDCache, build_cache
+from qat_lora.cache import KDCache
 from qat_lora.cli import main
 from qat_lora.evaluate import kd_metrics
 from qat_lora.export import (ExportConfig, bits_per_weight, load_packed, pack_codes, read_packed_header,
@@ -126,15 +126,6 @@ def test_merge_requantises_and_reports_the_error(teacher_dir, tmp_path):
     assert not torch.equal(adapted_logits, merged_logits)  # re-quantisation changes something, but the merged
     # student is still nearer the adapted one than the base without the adapter is
     assert (merged_logits - adapted_logits).norm() < (base_logits - adapted_logits).norm()
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory, teacher_dir, corpus_dir):
-    out = tmp_path_factory.mktemp("cache")
-    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=32,
-                                 top_k=8, value_bits=32, max_tokens=3_000, batch_size=8, holdout_fraction=0.2,
-                                 device="cpu"), log=lambda _: None)
-    return out
 
 
 def test_merge_report_gives_heldout_kd_loss_of_the_unmerged_and_the_merged_student(teacher_dir, cache_dir,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from qat_lora import checkpoint as ckpt
-from qat_lora.cache import CacheBuildConfig, KDCache, batch_order, build_cache
+from qat_lora.cache import KDCache, batch_order
 from qat_lora.cli import main
 from qat_lora.distributed import launch_local
 from qat_lora.evaluate import kd_metrics, load_model_for_eval
@@ -25,15 +25,6 @@ from qat_lora.train import (TRAIN_PRESETS, TrainConfig, build_student, enable_ac
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = dict(log=lambda _: None)
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory, teacher_dir, corpus_dir):
-    out = tmp_path_factory.mktemp("cache")
-    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=32,
-                                 top_k=8, value_bits=32, max_tokens=6_000, batch_size=8, holdout_fraction=0.1,
-                                 device="cpu"), log=lambda _: None)
-    return out
 
 
 def _cfg(teacher_dir, cache_dir, out, **kw) -> TrainConfig:
