@@ -87,11 +87,12 @@ class QuantConfig:
 # The one preset table every CLI reads. int presets are asymmetric (scale + zero), as the RTN baselines we
 # report; `l*` presets are 2^b-entry LUTs (one k-means codebook per tensor) with per-group absmax scales.
 PRESETS: dict[str, QuantConfig] = {
-    # At 2 bits min/max collapses (ppl 1e4-4e5) and the clipping search removes 0.75-2.3 nats of it; at 3 bits it hurts
-    # (docs/BENCHMARKS.md, "PTQ perplexity"), so each preset carries the init that measured better.
+    # At 2 bits min/max collapses (ppl 1e4-4e5) and the clipping search removes 0.75-2.3 nats of it; at 3-4 bits it
+    # hurts except with groups of 32 at 3 bits (docs/BENCHMARKS.md, "PTQ perplexity"), so each preset carries the
+    # init that measured better on SmolLM2-135M.
     "w2g32": QuantConfig(bits=2, group_size=32, init="mse"),
     "w2g64": QuantConfig(bits=2, group_size=64, init="mse"),
-    "w3g32": QuantConfig(bits=3, group_size=32),
+    "w3g32": QuantConfig(bits=3, group_size=32, init="mse"),
     "w3g64": QuantConfig(bits=3, group_size=64),
     "w4g32": QuantConfig(bits=4, group_size=32),
     "w4g64": QuantConfig(bits=4, group_size=64),
