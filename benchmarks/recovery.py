@@ -251,24 +251,34 @@ def eval_settings(args: argparse.Namespace, caches: dict[str, dict]) -> dict:
             "eval_seq_len": args.eval_seq_len, "kd_cache": Path(caches["topk"]["path"]).name}
 
 
-def init_quantizer(args: argparse.Namespace, preset: str) -> str:
-    """The preset's initial quantiser (its own init), computed once and saved under --work, so that the MSE /
-    k-means search of the 2-bit presets (a minute or more on a CPU) does not run again in every training run
-    and evaluation: they load it through TrainConfig.quantizer. Empty for round-to-nearest presets (instant)."""
+def _init_quantizer_path(args: argparse.Namespace, preset: str) -> Path:
     config = get_preset(preset)
-    if config.init == "rtn":
+    return Path(args.work) / "init" / f"{preset}-{_digest([args.teacher, quant_config_dict(config)])}.safetensors"
+
+
+def _save_quantizer(model, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from qat_lora.train import quantizer_state_dict
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in quantizer_state_dict(model).items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def init_quantizer(args: argparse.Namespace, preset: str) -> str:
+    """The preset's initial quantiser (its own init), saved under --work, so that the MSE / k-means search of
+    the 2-bit presets (a minute or more on a CPU) does not run again in every training run and evaluation: they
+    load it through TrainConfig.quantizer. The preset's start PTQ row (run first) saves it; it is computed here
+    only if that file is gone. Empty for round-to-nearest presets (instant)."""
+    if get_preset(preset).init == "rtn":
         return ""
-    path = Path(args.work) / "init" / f"{preset}-{_digest([args.teacher, quant_config_dict(config)])}.safetensors"
+    path = _init_quantizer_path(args, preset)
     if not path.exists():
-        from safetensors.torch import save_file
+        from qat_lora.train import build_student
 
-        from qat_lora.train import build_student, quantizer_state_dict
-
-        state = quantizer_state_dict(build_student(args.teacher, preset))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp))
-        os.replace(tmp, path)
+        _save_quantizer(build_student(args.teacher, preset), path)
     return str(path)
 
 
@@ -330,6 +340,8 @@ def run_ptq(args: argparse.Namespace, row: Row, caches: dict[str, dict], device:
     quantize_(model, replace(get_preset(row.preset), init=init))
     dev.sync(device)
     wall = time.perf_counter() - started
+    if init == get_preset(row.preset).init != "rtn":  # the start row: its quantiser is every run's init
+        _save_quantizer(model, _init_quantizer_path(args, row.preset))
     return {"init": init, "tokens": 0, "steps": 0, "wall_s": round(wall, 2),
             "bits_per_weight": round(bits_per_weight(model), 4), **evaluate_model(model, args, caches, device)}
 

@@ -148,3 +148,36 @@ def test_eval_text_inside_the_training_text_is_refused(recovery, tiny_args, corp
         recovery.main(args)
     assert "must stay held out" in capsys.readouterr().err
 
+
+def test_searched_init_is_computed_once_by_the_start_row(recovery, first_run, tiny_args, teacher_dir, monkeypatch):
+    # w2g32 starts from the MSE search: its PTQ row saves the quantiser, and the training run loads that file
+    # instead of searching again (build_student is never asked for a fresh w2g32 init).
+    import qat_lora.train as train_module
+    from safetensors.torch import load_file
+
+    searched = []
+    real_build = train_module.build_student
+
+    def counting_build(model, quant, *rest, **kw):
+        quantizer = kw.get("quantizer", rest[1] if len(rest) > 1 else "")
+        if not quantizer:
+            searched.append(quant)
+        return real_build(model, quant, *rest, **kw)
+
+    monkeypatch.setattr(train_module, "build_student", counting_build)
+    args = list(tiny_args)
+    args[args.index("--presets") + 1] = "w2g32"
+    methods = args.index("--methods")
+    args[methods + 1:methods + 1 + len(METHODS)] = ["ptq-init", "lora-topk-tail"]
+    args[args.index("--max-steps") + 1] = "1"
+    records = [r for r in recovery.main(args)["records"] if r["preset"] == "w2g32"]
+    assert [r["method"] for r in records] == ["ptq-init", "lora-topk-tail"]
+    assert records[1]["start_init"] == "mse" and records[1]["ptq_ppl"] == records[0]["ppl"]
+    assert searched == []
+    work = Path(args[args.index("--work") + 1])
+    (init_file,) = (work / "init").glob("w2g32-*.safetensors")
+    run_config = json.loads((Path(records[1]["run_dir"]) / "config.json").read_text())
+    assert run_config["quantizer"] == str(init_file)
+    saved = load_file(str(init_file))
+    fresh = train_module.quantizer_state_dict(real_build(str(teacher_dir), "w2g32"))
+    assert saved.keys() == fresh.keys() and all(torch.equal(saved[k], fresh[k]) for k in fresh)
