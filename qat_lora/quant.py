@@ -15,9 +15,10 @@ the export therefore reproduces the training-time Wq bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from dataclasses import dataclass, field, fields, replace
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -215,6 +216,8 @@ class FakeQuantLinear(nn.Linear):
             self.scale_b = nn.Parameter(torch.zeros(cfg.scale_rank, in_features, **f32))
         self._cached_wq: torch.Tensor | None = None
         self._cache_key: tuple | None = None
+        self._step_wq: torch.Tensor | None = None  # set inside quantized_weights_once_per_step
+        self._step_leaf: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, cfg: QuantConfig, name: str = "",
@@ -276,6 +279,8 @@ class FakeQuantLinear(nn.Linear):
 
     def quantized_weight(self) -> torch.Tensor:
         """The [out, in] fake-quantised weight used by forward."""
+        if self._step_leaf is not None:
+            return self._step_leaf
         params = [self.weight, *self.quant_parameters().values()]
         if any(p.requires_grad for p in params):
             self._cached_wq = None
@@ -344,6 +349,40 @@ def dequantize(codes: torch.Tensor, cfg: QuantConfig, group_size: int, scale: to
     else:
         wq = codebook.expand(out_features, c.shape[1], -1).gather(-1, c) * s
     return wq.reshape(out_features, in_features)
+
+
+@contextlib.contextmanager
+def quantized_weights_once_per_step(model: nn.Module, enabled: bool = True) -> Iterator[Callable[[], None]]:
+    """Build each trainable quantiser's Wq once for a step of several micro-batches, not once per micro-batch.
+
+    Inside the block every FakeQuantLinear whose quantiser or latent weight trains returns one detached leaf
+    copy of its Wq, in which the micro-batches' backward passes accumulate dL/dWq; the yielded function (call
+    it after the last micro-batch's backward, before gradients are read) then backpropagates that sum once
+    through the quantiser: J^T (sum_i g_i) = sum_i J^T g_i, so the gradients equal the per-micro-batch ones up
+    to float summation order, and the fake-quant forward and backward run once per step. Layers whose
+    quantiser is frozen are skipped (their Wq is already cached across steps).
+    """
+    layers = []
+    if enabled:
+        for module in model.modules():
+            if isinstance(module, FakeQuantLinear) and any(
+                    p.requires_grad for p in (module.weight, *module.quant_parameters().values())):
+                wq = module._fake_quantize()
+                module._step_wq, module._step_leaf = wq, wq.detach().requires_grad_()
+                layers.append(module)
+
+    def backward_quantizers() -> None:
+        pairs = [(m._step_wq, m._step_leaf.grad) for m in layers if m._step_leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([wq for wq, _ in pairs], [g for _, g in pairs])
+        for m in layers:
+            m._step_leaf.grad = None
+
+    try:
+        yield backward_quantizers
+    finally:
+        for m in layers:
+            m._step_wq = m._step_leaf = None
 
 
 def quantize_(model: nn.Module, config: QuantConfig | str,

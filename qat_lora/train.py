@@ -36,7 +36,8 @@ from .distributed import Backend, init_backend
 from .files import atomic_write_json
 from .lora import add_recovery_lora_
 from .loss import KDLossConfig, kd_loss, kd_loss_chunked
-from .quant import FakeQuantLinear, get_preset, quant_config_dict, quantize_, quantizer_parameters
+from .quant import (FakeQuantLinear, get_preset, quant_config_dict, quantize_, quantized_weights_once_per_step,
+                    quantizer_parameters)
 
 ADAPTER_DIR = "adapter"
 QUANTIZER_FILE = "quantizer.safetensors"
@@ -430,20 +431,22 @@ def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dt
     Returns device tensors (loss parts averaged over micro-steps, grad norm); nothing is read to the host.
     """
     cfg, totals = run.cfg, {}
-    for micro in range(cfg.accumulation_steps):
-        batch = run.backend.shard_batch({k: v.to(run.device) for k, v in next(batches).items()})
-        with dev.autocast(run.device, amp_dtype):
-            parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size)
-        (parts["loss"] / cfg.accumulation_steps).backward()
-        for key in ("loss", "soft_ce", "kl", "ce"):
-            totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps
-        if micro == cfg.accumulation_steps - 1:  # the update joins the last micro-step's graph
-            run.backend.reduce_gradients(run.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(list(run.params.values()), cfg.max_grad_norm)
-            run.optimizer.step()
-            run.scheduler.step()
-            run.optimizer.zero_grad(set_to_none=False)
-        dev.sync(run.device)
+    with quantized_weights_once_per_step(run.model, enabled=cfg.accumulation_steps > 1) as backward_quantizers:
+        for micro in range(cfg.accumulation_steps):
+            batch = run.backend.shard_batch({k: v.to(run.device) for k, v in next(batches).items()})
+            with dev.autocast(run.device, amp_dtype):
+                parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size)
+            (parts["loss"] / cfg.accumulation_steps).backward()
+            for key in ("loss", "soft_ce", "kl", "ce"):
+                totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps
+            if micro == cfg.accumulation_steps - 1:  # the update joins the last micro-step's graph
+                backward_quantizers()
+                run.backend.reduce_gradients(run.optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(list(run.params.values()), cfg.max_grad_norm)
+                run.optimizer.step()
+                run.scheduler.step()
+                run.optimizer.zero_grad(set_to_none=False)
+            dev.sync(run.device)
     return totals, grad_norm
 
 

@@ -1,13 +1,15 @@
 """Fake-quantised linears, the preset table and quantize_ (DESIGN §4)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from qat_lora.models import load_causal_lm
 from qat_lora.quant import (PRESETS, FakeQuantLinear, QuantConfig, fake_quantize, get_preset, quantize_,
-                            quantizer_parameters)
+                            quantized_weights_once_per_step, quantizer_parameters)
 
 
 def _reference_fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch.Tensor:
@@ -330,3 +332,37 @@ def test_peft_lora_wraps_every_quantised_linear(teacher_dir, preset):
     wrapped = [n for n, m in model.named_modules() if isinstance(getattr(m, "base_layer", None), FakeQuantLinear)]
     assert len(wrapped) == len(names) == 14
     assert len(parameter_groups(model)["lora"]) == 2 * len(names)
+
+
+@pytest.mark.parametrize("train", ["quantizer", "weight"])
+def test_wq_once_per_step_gives_the_per_micro_batch_gradients(train):
+    # Three micro-batches through a trainable quantiser: building Wq once and backpropagating the summed dL/dWq
+    # gives the gradients of building it per micro-batch (float64, exact up to summation order).
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 16, dtype=torch.float64)
+    xs = [torch.randn(5, 64, dtype=torch.float64) for _ in range(3)]
+
+    def grads(once: bool) -> dict[str, torch.Tensor]:
+        layer = FakeQuantLinear.from_linear(copy.deepcopy(linear), PRESETS["w3g32"]).double()  # scales too
+        params = [layer.weight] if train == "weight" else list(layer.quant_parameters().values())
+        for p in layer.parameters():
+            p.requires_grad_(any(p is q for q in params))
+        with quantized_weights_once_per_step(layer, enabled=once) as backward_quantizers:
+            for i, x in enumerate(xs):
+                (layer(x).sin().sum() * (i + 1)).backward()
+            assert (layer._step_leaf is not None) == once
+            backward_quantizers()
+        assert layer._step_leaf is None  # released: the next forward builds Wq from the updated parameters
+        return {n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}
+
+    per_micro, once = grads(False), grads(True)
+    assert per_micro.keys() == once.keys() and per_micro
+    for name in per_micro:
+        torch.testing.assert_close(once[name], per_micro[name], rtol=1e-10, atol=1e-12)
+
+
+def test_wq_once_per_step_skips_frozen_quantizers():
+    layer = FakeQuantLinear.from_linear(torch.nn.Linear(32, 8), PRESETS["w4g32"])
+    layer.weight.requires_grad_(False)
+    with quantized_weights_once_per_step(layer):
+        assert layer._step_leaf is None and not layer.quantized_weight().requires_grad

@@ -66,6 +66,19 @@ def test_twenty_xla_steps_compile_nothing_after_step_two(tmp_path, teacher_dir, 
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3, abs=1e-4)
 
 
+def test_qat_lora_with_accumulation_compiles_nothing_after_step_two(tmp_path, teacher_dir, xla_cache):
+    # Micro-steps with a trainable quantiser: Wq is built in the first micro-step's graph and backpropagated in the
+    # last one's (quant.quantized_weights_once_per_step): a fixed set of graphs, and the CPU run's losses.
+    flags = ("--preset", "qat+lora", "--accumulation-steps", "2")
+    xla = _train(tmp_path, teacher_dir, xla_cache, "xla", 6, *flags)
+    report = json.loads((xla["out"] / "compile_report.json").read_text())
+    assert report["graphs_compiled_after_step_2"] == 0 and report["graphs_compiled"] <= 4, report
+    cpu = _train(tmp_path, teacher_dir, xla_cache, "cpu", 6, *flags)
+    assert [m["step"] for m in xla["metrics"]] == list(range(1, 7))
+    for a, b in zip(xla["metrics"], cpu["metrics"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3, abs=1e-4)
+
+
 def _load_adapter(run) -> dict:
     from safetensors.torch import load_file
 
