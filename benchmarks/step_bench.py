@@ -15,6 +15,9 @@ compile counters are process-wide and its runtime is fixed when it starts. One r
   the trainer's autocast, backward, gradient clipping, AdamW, zero_grad(set_to_none=False), one sync.
   Warm-up steps come first (one; on XLA, until a step compiles no new graph), then the median of --steps.
 - cache build vs teacher forward-only (cache_bench.throughput) on a random-weight teacher of the shape.
+--accumulation-steps N: each step runs N micro-batches of --batch-size, as the trainer does (the QAT presets'
+quantiser Wq built once per step, quant.quantized_weights_once_per_step), plus, for those presets, rows that
+build Wq per micro-batch (`wq_once_per_step` false; `step_s_vs_wq_per_micro_batch` is the per-round ratio).
 The step configurations run round-robin, --rounds times, so a change of machine load hits all alike; a record
 holds the median over rounds, and its ratios (step_s_vs_plain, step_s_vs_naive) are medians of per-round ratios.
 
@@ -150,10 +153,14 @@ def _graphs_compiled() -> int:
     return dev.compile_metrics().get("graphs_compiled", 0)
 
 
-def time_steps(model, batch: dict, chunk: int, steps: int, device: torch.device) -> tuple[list[float], int]:
-    """Seconds of each of `steps` training steps after the warm-up; returns (times, warm-up steps)."""
+def time_steps(model, batch: dict, chunk: int, steps: int, device: torch.device, accumulation: int = 1,
+               wq_once: bool = True) -> tuple[list[float], int]:
+    """Seconds of each of `steps` training steps (of `accumulation` micro-batches, as the trainer runs them:
+    with `wq_once`, a trainable quantiser's Wq is built once per step) after the warm-up; returns (times,
+    warm-up steps)."""
     from qat_lora import device as dev
     from qat_lora.loss import KDLossConfig
+    from qat_lora.quant import quantized_weights_once_per_step
     from qat_lora.train import forward_loss
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -162,9 +169,12 @@ def time_steps(model, batch: dict, chunk: int, steps: int, device: torch.device)
 
     def step() -> float:
         started = time.perf_counter()
-        with dev.autocast(device, amp_dtype):
-            loss = forward_loss(model, batch, loss_cfg, chunk)["loss"]
-        loss.backward()
+        with quantized_weights_once_per_step(model, enabled=wq_once and accumulation > 1) as backward_quantizers:
+            for _ in range(accumulation):
+                with dev.autocast(device, amp_dtype):
+                    loss = forward_loss(model, batch, loss_cfg, chunk)["loss"]
+                (loss / accumulation).backward()
+            backward_quantizers()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -259,7 +269,8 @@ def step_child(spec: dict) -> dict:
     model = build_model(spec["shape"], spec["seq_len"], spec["linear"], spec["preset"], device)
     batch = _batch(SHAPES[spec["shape"]]["vocab_size"], spec["batch_size"], spec["seq_len"], device)
     base = _reset_peak(device)
-    times, warmup = time_steps(model, batch, spec["chunk"], spec["steps"], device)
+    times, warmup = time_steps(model, batch, spec["chunk"], spec["steps"], device, spec["accumulation"],
+                               spec["wq_once"])
     compiled_after_warmup = _graphs_compiled()
     result = {"step_s": statistics.median(times), "warmup_steps": warmup, "host_allocator_tuned": tuned,
               "flops_per_token": step_flops_per_token(model, spec["seq_len"]),
@@ -337,13 +348,15 @@ def run_child(spec: dict) -> dict:
     if result.returncode:
         raise RuntimeError(f"{json.dumps(spec)} failed: {result.stderr[-3000:]}")
     what = " ".join(str(spec[k]) for k in ("kind", "device", "linear", "preset", "chunk") if k in spec)
+    what += " (Wq per micro-batch)" if spec.get("wq_once") is False else ""
     print(f"  {what}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def step_specs(args) -> list[dict]:
     """Every requested step configuration, in a fixed order (the reference rows first)."""
-    common = dict(kind="step", shape=args.shape, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps)
+    common = dict(kind="step", shape=args.shape, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
+                  accumulation=args.accumulation_steps)
     specs = []
     for device in args.devices:
         for linear in (PLAIN, args.quant):
@@ -352,7 +365,10 @@ def step_specs(args) -> list[dict]:
                     continue  # qat / qat+lora train the quantiser: a plain Linear has none
                 for loss in args.losses:
                     chunk = args.chunk if loss == "chunked" else 0
-                    specs.append({**common, "device": device, "linear": linear, "preset": preset, "chunk": chunk})
+                    spec = {**common, "device": device, "linear": linear, "preset": preset, "chunk": chunk}
+                    specs.append({**spec, "wq_once": True})
+                    if args.accumulation_steps > 1 and preset != "recovery-lora":  # the trained quantiser's Wq
+                        specs.append({**spec, "wq_once": False})  # built per micro-batch: the comparison row
     return specs
 
 
@@ -371,17 +387,18 @@ def step_records(specs: list[dict], rounds: list[dict], peaks: dict[str, float])
     """One record per configuration: medians over rounds, and ratios of per-round step times."""
     def key(spec, **change):
         s = {**spec, **change}
-        return s["device"], s["linear"], s["preset"], s["chunk"]
+        return s["device"], s["linear"], s["preset"], s["chunk"], s["wq_once"]
 
     times = {key(s): [r[key(s)]["step_s"] for r in rounds] for s in specs}
     records = []
     for spec in specs:
         runs, step_s = [r[key(spec)] for r in rounds], statistics.median(times[key(spec)])
-        tokens_per_s = spec["batch_size"] * spec["seq_len"] / step_s
+        tokens_per_s = spec["batch_size"] * spec["accumulation"] * spec["seq_len"] / step_s
         last = runs[-1]
         record = {"kind": "step", "shape": spec["shape"], "device": spec["device"], "linear": spec["linear"],
                   "quant": "none" if spec["linear"] == PLAIN else spec["linear"], "preset": spec["preset"],
                   "loss": _loss_name(spec["chunk"]), "batch_size": spec["batch_size"], "seq_len": spec["seq_len"],
+                  "accumulation_steps": spec["accumulation"], "wq_once_per_step": spec["wq_once"],
                   "precision": last["precision"], "rounds": len(runs), "step_s_median": round(step_s, 4),
                   "step_s_per_round": [round(r["step_s"], 4) for r in runs], "tokens_per_s": round(tokens_per_s, 1),
                   "flops_per_token": last["flops_per_token"],
@@ -390,6 +407,7 @@ def step_records(specs: list[dict], rounds: list[dict], peaks: dict[str, float])
                   "step_s_vs_plain": _median_ratio(times[key(spec)],
                                                    times.get(key(spec, linear=PLAIN, preset="recovery-lora"))),
                   "step_s_vs_naive": _median_ratio(times[key(spec)], times.get(key(spec, chunk=0))),
+                  "step_s_vs_wq_per_micro_batch": _median_ratio(times[key(spec)], times.get(key(spec, wq_once=False))),
                   "trainable_parameters": last["trainable_parameters"], "warmup_steps": last["warmup_steps"],
                   "host_allocator_tuned": last["host_allocator_tuned"]}
         if "compile" in last:
@@ -428,12 +446,15 @@ def print_summary(result: dict) -> None:
         print(f"cache build ({r['device']}): {r['tokens_per_s']} tok/s vs forward-only "
               f"{r['forward_only_tokens_per_s']} tok/s: build / forward {r['build_over_forward_median']} "
               f"(rounds {r['build_over_forward_per_round']})")
-    head = ("device", "linear", "preset", "loss", "step s", "tok/s", "MFU", "peak MiB", "x plain", "x naive", "graphs")
-    print(f"{head[0]:6s} {head[1]:9s} {head[2]:13s} {head[3]:12s} " + " ".join(f"{h:>8s}" for h in head[4:]))
+    head = ("device", "linear", "preset", "loss", "step s", "tok/s", "MFU", "peak MiB", "x plain", "x naive",
+            "x Wq/mb", "graphs")
+    print(f"{head[0]:6s} {head[1]:9s} {head[2]:17s} {head[3]:12s} " + " ".join(f"{h:>8s}" for h in head[4:]))
     for r in (r for r in result["records"] if r["kind"] == "step"):
-        ratios = [f"{x:8.2f}" if x is not None else f"{'-':>8s}" for x in (r["step_s_vs_plain"], r["step_s_vs_naive"])]
+        ratios = [f"{x:8.2f}" if x is not None else f"{'-':>8s}"
+                  for x in (r["step_s_vs_plain"], r["step_s_vs_naive"], r["step_s_vs_wq_per_micro_batch"])]
         graphs = str(r["compile"]["graphs_compiled"]) if "compile" in r else "-"
-        print(f"{r['device']:6s} {r['linear']:9s} {r['preset']:13s} {r['loss']:12s} {r['step_s_median']:8.3f} "
+        preset = r["preset"] + ("" if r["wq_once_per_step"] else " Wq/mb")
+        print(f"{r['device']:6s} {r['linear']:9s} {preset:17s} {r['loss']:12s} {r['step_s_median']:8.3f} "
               f"{r['tokens_per_s']:8.1f} {r['mfu']:8.2%} {r['peak_mem_bytes'] / 2**20:8.0f} {' '.join(ratios)} "
               f"{graphs:>8s}")
 
@@ -445,6 +466,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration and round")
     parser.add_argument("--rounds", type=int, default=1, help="round-robin repetitions of every configuration")
+    parser.add_argument("--accumulation-steps", type=int, default=1,
+                        help="micro-batches of --batch-size per step; > 1 adds, for the QAT presets, rows that "
+                             "build the quantiser's Wq per micro-batch instead of once per step")
     parser.add_argument("--chunk", type=int, default=128, help="positions per lm_head + loss chunk (chunked rows)")
     parser.add_argument("--quant", default="w3g64", help="quantisation preset of the fake-quant rows")
     parser.add_argument("--presets", nargs="+", choices=tuple(TRAIN_PRESETS), default=list(TRAIN_PRESETS),
@@ -467,7 +491,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         get_preset(args.quant)
     except ValueError as e:
         parser.error(str(e))
-    for name in ("batch_size", "seq_len", "steps", "rounds", "chunk"):
+    for name in ("batch_size", "seq_len", "steps", "rounds", "chunk", "accumulation_steps"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive")
     if "xla" in args.devices and importlib.util.find_spec("torch_xla") is None:
@@ -488,7 +512,7 @@ def main(argv=None) -> None:
     naive_mem = run_child({**loss, "chunk": 0})["peak_mem_bytes"]
     chunked_mem = run_child({**loss, "chunk": args.chunk})["peak_mem_bytes"]
     specs = [] if args.loss_only else step_specs(args)
-    rounds = [{(s["device"], s["linear"], s["preset"], s["chunk"]): run_child(s) for s in specs}
+    rounds = [{(s["device"], s["linear"], s["preset"], s["chunk"], s["wq_once"]): run_child(s) for s in specs}
               for _ in range(args.rounds if specs else 0)]
     records = step_records(specs, rounds, peaks)
     if args.cache_tokens and not args.loss_only:

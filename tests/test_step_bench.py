@@ -33,6 +33,13 @@ def test_configurations_pair_every_preset_with_the_fake_quant_linear_only(step_b
     assert {k[2] for k in keys if k[1] == "nn.Linear"} == {"recovery-lora"}
     assert {k[2] for k in keys if k[1] == "w2g32"} == {"recovery-lora", "qat", "qat+lora"}
     assert {k[3] for k in keys} == {0, 128}
+    assert all(s["wq_once"] and s["accumulation"] == 1 for s in specs)
+    # With micro-batches, the QAT presets also run with Wq built per micro-batch (the comparison rows).
+    accumulated = step_bench.step_specs(step_bench.parse_args(["--devices", "cpu", "--quant", "w2g32",
+                                                               "--accumulation-steps", "4"]))
+    per_micro = sorted((s["linear"], s["preset"], s["chunk"]) for s in accumulated if not s["wq_once"])
+    assert per_micro == sorted(k[1:] for k in keys if k[0] == "cpu" and k[2] != "recovery-lora")
+    assert all(s["accumulation"] == 4 for s in accumulated)
 
 
 @pytest.mark.parametrize("preset,weight_grad", [("recovery-lora", False), ("qat", True), ("qat+lora", True)])
@@ -56,7 +63,7 @@ def test_records_take_medians_over_rounds_and_ratios_within_each_round(step_benc
     slowdown = (1.0, 3.0, 1.5)  # the host's load changes between rounds; each round runs every configuration
     child = dict(precision="float32", flops_per_token=1e6, peak_mem_bytes=7, trainable_parameters=1, warmup_steps=1,
                  host_allocator_tuned=True)
-    rounds = [{(s["device"], s["linear"], s["preset"], s["chunk"]):
+    rounds = [{(s["device"], s["linear"], s["preset"], s["chunk"], s["wq_once"]):
                {**child, "step_s": base[s["linear"], s["preset"], s["chunk"]] * f} for s in specs} for f in slowdown]
     records = {(r["linear"], r["preset"], r["loss"]): r for r in step_bench.step_records(specs, rounds, {"cpu": 1e9})}
     assert len(records) == len(specs) == 6
@@ -73,7 +80,7 @@ def test_harness_writes_one_record_per_configuration(tmp_path):
     out = tmp_path / "step_bench.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "step_bench.py"), "--shape", "tiny", "--batch-size", "2",
            "--seq-len", "32", "--steps", "1", "--chunk", "16", "--devices", "cpu", "--presets", "qat+lora",
-           "--losses", "chunked", "--cache-tokens", "256", "--json", str(out)]
+           "--losses", "chunked", "--accumulation-steps", "2", "--cache-tokens", "256", "--json", str(out)]
     # Figures are not checked here; one thread keeps the tiny run from spin-waiting on a busy host.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -82,9 +89,12 @@ def test_harness_writes_one_record_per_configuration(tmp_path):
     assert set(report["loss_peak_mem_bytes"]) == {"naive", "chunked"} and "loss_peak_memory_ratio" in report
     records = report["records"]
     assert all(key in r for r in records for key in REQUIRED)
-    assert [(r["kind"], r["quant"], r["preset"], r["loss"]) for r in records] == [
-        ("step", "w3g64", "qat+lora", "chunked(16)"), ("cache-build", "none", "teacher-forward", "none")]
+    assert [(r["kind"], r["quant"], r["preset"], r["loss"], r.get("wq_once_per_step")) for r in records] == [
+        ("step", "w3g64", "qat+lora", "chunked(16)", True), ("step", "w3g64", "qat+lora", "chunked(16)", False),
+        ("cache-build", "none", "teacher-forward", "none", None)]
+    assert records[0]["accumulation_steps"] == 2 and records[0]["step_s_vs_wq_per_micro_batch"] > 0
     assert all(r["device"] == "cpu" and r["shape"] == "tiny" and r["seq_len"] == 32 for r in records)
+    assert records[0]["tokens_per_s"] == pytest.approx(2 * 2 * 32 / records[0]["step_s_median"], rel=1e-3)
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["peak_mem_bytes"] >= 0 for r in records)
     chunked = records[0]
     assert chunked["step_s_vs_plain"] is None and chunked["step_s_vs_naive"] is None  # not asked for
