@@ -21,9 +21,9 @@ cache build is `cache_build_s`), the device and the run folder. Results go to --
 (.md) and PNG plots (loss curves per preset, gap recovered per method).
 
 CPU, small budget (the defaults: 40 steps of 4 x 256 tokens per run, ~41 k tokens). Measured on an idle 2-core
-host (docs/RESULTS.md): ~7 s per step, ~5 min per run, ~35 s per evaluation, ~9 min per cache (on a loaded host); the 2-bit and LUT
-presets' MSE / k-means init (~1-2 min) is computed once per preset and reused by every run through
-TrainConfig.quantizer:
+host (docs/RESULTS.md): ~7 s per step, ~5 min per run, ~35 s per evaluation, ~9 min per cache (on a loaded
+host); the 2-bit and LUT presets' MSE / k-means init (~1-2 min) is computed once per preset, by its PTQ row, and
+reused by every run through TrainConfig.quantizer:
 
     python benchmarks/recovery.py --ranks 16 --presets w3g64 w2g32 --budget-name cpu-small
 
@@ -340,7 +340,7 @@ def run_ptq(args: argparse.Namespace, row: Row, caches: dict[str, dict], device:
     quantize_(model, replace(get_preset(row.preset), init=init))
     dev.sync(device)
     wall = time.perf_counter() - started
-    if init == get_preset(row.preset).init != "rtn":  # the start row: its quantiser is every run's init
+    if init != "rtn" and init == get_preset(row.preset).init:  # the start row: its quantiser is every run's init
         _save_quantizer(model, _init_quantizer_path(args, row.preset))
     return {"init": init, "tokens": 0, "steps": 0, "wall_s": round(wall, 2),
             "bits_per_weight": round(bits_per_weight(model), 4), **evaluate_model(model, args, caches, device)}

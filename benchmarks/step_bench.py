@@ -116,8 +116,7 @@ def step_flops_per_token(model, seq_len: int) -> float:
     total = 3.0 * _attention_flops(base.config, seq_len)
     for module in base.modules():
         if isinstance(module, torch.nn.Linear):
-            quantiser = module.quant_parameters().values() if isinstance(module, FakeQuantLinear) else ()
-            weight_grad = any(p.requires_grad for p in (module.weight, *quantiser))
+            weight_grad = module.trains() if isinstance(module, FakeQuantLinear) else module.weight.requires_grad
             total += (6.0 if weight_grad else 4.0) * module.weight.numel()
     return total
 

@@ -277,15 +277,19 @@ class FakeQuantLinear(nn.Linear):
             return fake_quantize(self.weight, self._scale(), self.zero, self.cfg.qmin, self.cfg.qmax)
         return fake_quantize_lut(self.weight, self._scale(), _fp16_ste(self.codebook))
 
+    def trains(self) -> bool:
+        """Whether Wq depends on a trained tensor (the latent weight or a quantiser parameter)."""
+        return any(p.requires_grad for p in (self.weight, *self.quant_parameters().values()))
+
     def quantized_weight(self) -> torch.Tensor:
         """The [out, in] fake-quantised weight used by forward."""
         if self._step_leaf is not None:
             return self._step_leaf
-        params = [self.weight, *self.quant_parameters().values()]
-        if any(p.requires_grad for p in params):
+        if self.trains():
             self._cached_wq = None
             return self._fake_quantize()
-        key = (*(p._version for p in params), self.weight.device, self.weight.dtype)
+        key = (*(p._version for p in (self.weight, *self.quant_parameters().values())), self.weight.device,
+               self.weight.dtype)
         if self._cached_wq is None or key != self._cache_key:
             with torch.no_grad():
                 self._cached_wq = self._fake_quantize()
@@ -365,8 +369,7 @@ def quantized_weights_once_per_step(model: nn.Module, enabled: bool = True) -> I
     layers = []
     if enabled:
         for module in model.modules():
-            if isinstance(module, FakeQuantLinear) and any(
-                    p.requires_grad for p in (module.weight, *module.quant_parameters().values())):
+            if isinstance(module, FakeQuantLinear) and module.trains():
                 wq = module._fake_quantize()
                 module._step_wq, module._step_leaf = wq, wq.detach().requires_grad_()
                 layers.append(module)
