@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from qat_lora import quant, quant_init
+from qat_lora.calibration import activation_importance
 from qat_lora.assets import Assets, default_assets_dir
-from qat_lora.evaluate import perplexity
+from qat_lora.metrics import perplexity
 from qat_lora.models import load_causal_lm, load_tokenizer
 from qat_lora.quant import FakeQuantLinear, get_preset, quantize_
 
@@ -101,7 +102,7 @@ def run_ppl(presets: list[str], teacher_row: bool, with_fp32: bool, tokens: int,
             eval_text: str, calib_text: str = "", calib_batches: int = 8,
             inits: tuple[str, ...] = ("rtn", "mse")) -> list[dict]:
     """PTQ perplexity per preset for each of `inits`: round-to-nearest, the MSE/k-means init, and (`mse+act`,
-    needs `calib_text`) the activation-weighted init (`calibrate` on `calib_batches` x 4 training sequences)."""
+    needs `calib_text`) the activation-weighted init (`activation_importance` on `calib_batches` x 4 training sequences)."""
     tokenizer = load_tokenizer(teacher)
     device = torch.device("cpu")
     variants = [("teacher", None, "", False)] if teacher_row else []
@@ -119,7 +120,7 @@ def run_ppl(presets: list[str], teacher_row: bool, with_fp32: bool, tokens: int,
         with fp32_scales() if fp32 else contextlib.nullcontext():
             model = load_causal_lm(teacher, attn_implementation="sdpa")
             if cfg is not None:
-                importance = quant.calibrate(model, calibration, cfg) if init == "mse+act" else None
+                importance = activation_importance(model, calibration, cfg) if init == "mse+act" else None
                 quantize_(model, cfg, importance=importance)
             init_s = time.perf_counter() - started
             result = perplexity(model, tokenizer, [eval_text], seq_len, tokens, 4, device)

@@ -54,14 +54,17 @@ import torch
 
 from qat_lora import data, device as dev, models
 from qat_lora.assets import Assets, default_assets_dir
-from qat_lora.cache import MANIFEST, CacheBuildConfig, KDCache, build_cache, inspect_cache
+from qat_lora.cache import MANIFEST, KDCache, inspect_cache
+from qat_lora.cache_build import build_cache
+from qat_lora.config import CacheBuildConfig, StudentSpec, TrainConfig
 from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
-from qat_lora.evaluate import kd_metrics, load_model_for_eval, perplexity
 from qat_lora.export import bits_per_weight
 from qat_lora.files import atomic_write_json
-from qat_lora.plot import read_metrics
+from qat_lora.metrics import kd_metrics, perplexity
 from qat_lora.quant import PRESETS, get_preset, quant_config_dict, quantize_
-from qat_lora.train import TrainConfig, resolve_attn, train
+from qat_lora.runs import read_metrics
+from qat_lora.student import build_student, load_student, quantizer_state_dict, resolve_attn
+from qat_lora.train import train
 
 ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override with --teacher/--train-text/--eval-text
 PTQ_INITS = {"ptq-rtn": "rtn", "ptq-init": "mse"}  # QuantConfig.init of each PTQ row
@@ -259,8 +262,6 @@ def _init_quantizer_path(args: argparse.Namespace, preset: str) -> Path:
 def _save_quantizer(model, path: Path) -> None:
     from safetensors.torch import save_file
 
-    from qat_lora.train import quantizer_state_dict
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().cpu().contiguous() for k, v in quantizer_state_dict(model).items()}, str(tmp))
@@ -276,9 +277,7 @@ def init_quantizer(args: argparse.Namespace, preset: str) -> str:
         return ""
     path = _init_quantizer_path(args, preset)
     if not path.exists():
-        from qat_lora.train import build_student
-
-        _save_quantizer(build_student(args.teacher, preset), path)
+        _save_quantizer(build_student(StudentSpec(args.teacher, preset)), path)
     return str(path)
 
 
@@ -328,7 +327,7 @@ def evaluate_model(model, args: argparse.Namespace, caches: dict[str, dict], dev
 
 
 def run_teacher(args: argparse.Namespace, caches: dict[str, dict], device: torch.device) -> dict:
-    model = load_model_for_eval(args.teacher, attn_implementation=resolve_attn("auto", device))
+    model = load_student(StudentSpec(args.teacher, ""), attn_implementation=resolve_attn("auto", device))
     return {"init": None, "tokens": 0, "steps": 0, "wall_s": 0.0, **evaluate_model(model, args, caches, device)}
 
 
@@ -365,8 +364,8 @@ def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], dev
         stage_row = Row(row.preset, "qat") if fields.get("preset") == "qat" else row
         stages.append(train_stage(args, stage_row, fields))
     quantizer = stages[-1]["quantizer"] or ""  # the last stage's starting or trained quantiser
-    model = load_model_for_eval(args.teacher, row.preset, stages[-1]["adapter"] or "",
-                                resolve_attn("auto", device), quantizer)
+    model = load_student(StudentSpec(args.teacher, row.preset, quantizer), stages[-1]["adapter"] or "",
+                         resolve_attn("auto", device))
     cache = caches["sampled" if row.method == "lora-sampled" else "topk"]
     return {"init": get_preset(row.preset).init, "tokens": sum(s["tokens"] for s in stages),
             "steps": sum(s["steps"] for s in stages), "wall_s": round(sum(s["wall_s"] for s in stages), 2),

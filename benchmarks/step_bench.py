@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from qat_lora.quant import get_preset
-from qat_lora.train import TRAIN_PRESETS
+from qat_lora.config import TRAIN_PRESETS
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -88,7 +88,7 @@ def build_model(shape: str, seq_len: int, linear: str, preset: str, device: torc
     from transformers import AutoModelForCausalLM
 
     from qat_lora.quant import quantize_
-    from qat_lora.train import make_trainable_, resolve_attn
+    from qat_lora.student import make_trainable_, resolve_attn
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(shape, seq_len),
@@ -160,7 +160,7 @@ def time_steps(model, batch: dict, chunk: int, steps: int, device: torch.device,
     from qat_lora import device as dev
     from qat_lora.loss import KDLossConfig
     from qat_lora.quant import quantized_weights_once_per_step
-    from qat_lora.train import forward_loss
+    from qat_lora.loss import forward_loss
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
@@ -398,8 +398,8 @@ def step_records(specs: list[dict], rounds: list[dict], peaks: dict[str, float])
                   "quant": "none" if spec["linear"] == PLAIN else spec["linear"], "preset": spec["preset"],
                   "loss": _loss_name(spec["chunk"]), "batch_size": spec["batch_size"], "seq_len": spec["seq_len"],
                   "accumulation_steps": spec["accumulation"], "wq_once_per_step": spec["wq_once"],
-                  "precision": last["precision"], "rounds": len(runs), "step_s_median": round(step_s, 4),
-                  "step_s_per_round": [round(r["step_s"], 4) for r in runs], "tokens_per_s": round(tokens_per_s, 1),
+                  "precision": last["precision"], "rounds": len(runs), "step_s_median": round(step_s, 6),
+                  "step_s_per_round": [round(r["step_s"], 6) for r in runs], "tokens_per_s": round(tokens_per_s, 1),
                   "flops_per_token": last["flops_per_token"],
                   "mfu": round(tokens_per_s * last["flops_per_token"] / peaks[spec["device"]], 4),
                   "peak_mem_bytes": max(r["peak_mem_bytes"] for r in runs),

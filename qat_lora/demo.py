@@ -6,37 +6,23 @@ fetch assets -> teacher top-K cache on offline prose -> w3g64 round-to-nearest s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import device as dev
-from .cache import CacheBuildConfig, KDCache, build_cache
-from .evaluate import kd_metrics, load_model_for_eval, perplexity
+from .cache import KDCache
+from .cache_build import build_cache
+from .config import CacheBuildConfig, DemoConfig, StudentSpec, TrainConfig
 from .files import atomic_write_json
+from .metrics import kd_metrics, perplexity
 from .models import load_tokenizer
-from .train import TrainConfig, train
-
-
-@dataclass
-class DemoConfig:
-    assets_dir: str = field(default="", metadata={"help": "asset folder (default: ~/.cache/qat-lora/assets)"})
-    work_dir: str = field(default="runs/demo", metadata={"help": "where the cache, run and results go"})
-    quant: str = field(default="w3g64", metadata={"help": "quantisation preset of the student"})
-    seq_len: int = field(default=256, metadata={"help": "sequence length for cache, training and eval"})
-    top_k: int = field(default=64, metadata={"help": "teacher log-probs kept per position"})
-    cache_tokens: int = field(default=56_000, metadata={"help": "teacher tokens to cache (train + held-out)"})
-    eval_tokens: int = field(default=8_192, metadata={"help": "Wikipedia tokens for perplexity"})
-    max_steps: int = field(default=50, metadata={"help": "optimizer steps (one pass over the cached tokens)"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per step"})
-    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+from .student import load_student
+from .train import train
 
 
 def _ppl_row(name: str, model_path: str, quant: str, adapter: str, tokenizer, cfg: DemoConfig, eval_text: str,
              cache: KDCache, device) -> dict:
     started = time.perf_counter()
-    model = load_model_for_eval(model_path, quant, adapter).to(device)
+    model = load_student(StudentSpec(model_path, quant), adapter).to(device)
     row = {"model": name, **perplexity(model, tokenizer, [eval_text], cfg.seq_len, cfg.eval_tokens, cfg.batch_size,
                                        device)}
     row.update(kd_metrics(model, cache, cfg.batch_size, device))

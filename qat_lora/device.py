@@ -1,7 +1,9 @@
-"""Every device specific in one place: choice, autocast, sync, metrics closures, compile counters.
+"""Device specifics, in one place: choice and per-process binding, host allocator, autocast, graph cuts,
+step closures, compile counters and cache, memory figures, activation checkpointing.
 
 torch_xla is imported lazily, only when the XLA device is asked for, so the library imports on machines
-without it. Components stay device-agnostic and call these helpers.
+without it. Components stay device-agnostic and call these helpers; the collectives of several processes
+live in distributed.py, and how processes are started in launch.py.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def xla_available() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
-def _tpu_present() -> bool:
+def tpu_present() -> bool:
     # Cheap checks that need no runtime start: a TPU VM sets these or exposes /dev/accel*.
     return os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
 
@@ -36,7 +38,7 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name not in DEVICE_CHOICES:
         raise ValueError(f"--device {name!r}: choose one of {', '.join(DEVICE_CHOICES)}")
     if name == "auto":
-        if xla_available() and _tpu_present():
+        if xla_available() and tpu_present():
             name = "tpu"
         elif torch.cuda.is_available():
             name = "cuda"
@@ -48,7 +50,7 @@ def resolve_device(name: str = "auto") -> torch.device:
         if not xla_available():
             raise ValueError(f"--device {name}: torch_xla is not installed; pip install 'qat-lora[xla]' "
                              "(torch-xla X.Y needs torch X.Y)")
-        if name == "tpu" and not _tpu_present():
+        if name == "tpu" and not tpu_present():
             raise ValueError("--device tpu: no TPU found on this host; use --device xla with PJRT_DEVICE=CPU to test XLA")
         os.environ.setdefault("PJRT_DEVICE", "TPU" if name == "tpu" else "CPU")
         import torch_xla
@@ -83,6 +85,22 @@ def tune_host_allocator() -> bool:
         return False
     return all([mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1, mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1,
                 mallopt(_M_TOP_PAD, 256 << 20) == 1])
+
+
+def wants_xla(name: str) -> bool:
+    """Whether --device `name` runs through torch_xla (without starting any runtime)."""
+    return name in ("xla", "tpu") or (name == "auto" and xla_available() and tpu_present())
+
+
+def prepare_process(device: torch.device, local_rank: int = 0, world_size: int = 1) -> torch.device:
+    """Bind this process to its device and tune the host for it: with several CUDA ranks, rank r drives GPU r
+    (LOCAL_RANK); on the CPU, the allocator keeps large blocks (see tune_host_allocator). Returns the device."""
+    if device.type == "cpu":
+        tune_host_allocator()
+    if device.type == "cuda" and world_size > 1:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return device
 
 
 def is_xla(device: torch.device) -> bool:

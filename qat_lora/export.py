@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -24,10 +24,13 @@ import torch
 from torch import nn
 
 from . import models
+from .config import ExportConfig
+from .cache import KDCache
 from .files import atomic_write_json
+from .metrics import kd_metrics
+from .student import load_student
 from .quant import FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict, quant_config_from_dict
 
-FORMATS = ("packed", "dense", "both")
 HEADER_KEY = "qat_lora"
 FORMAT_NAME = "qat-lora-packed"
 FORMAT_VERSION = 1
@@ -35,33 +38,6 @@ WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
 PACKED_DIR, DENSE_DIR, ADAPTER_DIR = "packed", "dense", "adapter"
 QUANT_TENSORS = ("scale", "zero", "codebook", "scale_a", "scale_b")
-
-
-@dataclass
-class ExportConfig:
-    model: str = field(default="", metadata={"help": "full-precision model the student was quantised from"})
-    quant: str = field(default="w3g64", metadata={"help": "quantisation preset (see `qat-lora presets`)"})
-    adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
-    quantizer: str = field(default="", metadata={"help": "a qat run's quantizer.safetensors to load into the student"})
-    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, export.json)"})
-    format: str = field(default="both", metadata={"help": "packed, dense or both"})
-    merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
-    cache: str = field(default="", metadata={"help": "KD cache: report held-out KD loss before/after the merge"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per forward for the merge report"})
-
-    def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("export: --model is required (the full-precision model folder)")
-        if self.format not in FORMATS:
-            raise ValueError(f"--format {self.format}: use one of {', '.join(FORMATS)}")
-        if self.merge_adapter and not self.adapter:
-            raise ValueError("--merge-adapter needs --adapter (the run's adapter/ folder)")
-        if self.cache and not self.merge_adapter:
-            raise ValueError("--cache only feeds the merge report: add --merge-adapter (with --adapter) or drop "
-                             "--cache")
-        if self.quantizer and not Path(self.quantizer).is_file():
-            raise ValueError(f"--quantizer {self.quantizer}: no such file; pass a qat run's quantizer.safetensors")
-        get_preset(self.quant)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -244,23 +220,16 @@ def merge_lora_(peft_model) -> tuple[nn.Module, dict]:
 
 
 def _kd_loss(model, cache_dir: str, batch_size: int) -> dict:
-    from .cache import KDCache
-    from .evaluate import kd_metrics
-
     return kd_metrics(model, KDCache(cache_dir), batch_size, torch.device("cpu"))
 
 
 def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
     """Build the student (with its adapter), optionally merge, and write the artefacts; returns the report."""
-    from .lora import load_recovery_lora
-    from .train import build_student
-
     out = Path(cfg.out)
     tokenizer = models.load_tokenizer(cfg.model)
-    student = build_student(cfg.model, cfg.quant, quantizer=cfg.quantizer)
+    student = load_student(cfg.student_spec(), cfg.adapter)
     report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant))}
     if cfg.adapter:
-        student = load_recovery_lora(student, cfg.adapter).eval()
         if cfg.merge_adapter:
             before = _kd_loss(student, cfg.cache, cfg.batch_size) if cfg.cache else None
             student, report["merge"] = merge_lora_(student)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import models
+
 # Fill for the K teacher ids when taking the student's tail logsumexp. Finite (not -inf) so that with
 # K = V (an empty tail) the softmax stays defined and 0 * s_tail is 0, not NaN. Real log-probs never get near it.
 _TAIL_FILL = -1.0e4
@@ -290,3 +292,18 @@ def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str,
     out = _finish(sums, targets, cfg)
     out["loss"] = loss
     return out
+
+
+def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KDLossConfig,
+                 chunk_size: int) -> dict[str, torch.Tensor]:
+    """Student forward + KD loss: the one path from a batch to the loss, for training and evaluation.
+
+    With chunk_size > 0 the decoder runs alone and lm_head + loss run in chunks of positions
+    (`kd_loss_chunked`), never holding B x L x V logits; 0 computes the full logits (`kd_loss`).
+    """
+    if chunk_size <= 0:
+        return kd_loss(model(input_ids=batch["input_ids"]).logits, batch, cfg)
+    decoder, head = models.decoder_and_head(model)
+    hidden = decoder(input_ids=batch["input_ids"]).last_hidden_state
+    weight, bias = models.head_weight_and_bias(head)
+    return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias)

@@ -4,26 +4,11 @@
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .train import METRICS_FILE
+from .runs import METRICS_FILE, read_metrics
 
 PLOT_FILE = "curves.png"
-
-
-def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
-    """(training records, eval records) of a run's metrics JSONL; a line cut by a kill is skipped."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        raise ValueError(f"plot: {path} not found; pass a run folder written by `qat-lora train`")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -395,7 +395,8 @@ def quantize_(model: nn.Module, config: QuantConfig | str,
 
     Args:
         config: a QuantConfig or a preset name.
-        importance: optional {module name: [in] column weights} for data-aware init (see `calibrate`).
+        importance: optional {module name: [in] column weights} for data-aware init
+            (`calibration.activation_importance`).
     Raises:
         ValueError: unknown preset name, or a group size that does not divide a layer's width (names the layer).
     """
@@ -411,37 +412,6 @@ def quantize_(model: nn.Module, config: QuantConfig | str,
         imp = None if importance is None else importance.get(name)
         setattr(parent, child, FakeQuantLinear.from_linear(linear, layer_cfg, name, imp))
     return model
-
-
-@torch.no_grad()
-def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantConfig | str) -> dict[str, torch.Tensor]:
-    """Mean squared input activation per column of every Linear `config` would quantise (data-aware init).
-
-    Args:
-        batches: input_ids tensors [B, L] run through the full-precision model.
-    Returns:
-        {module name: [in] float32} to pass to `quantize_(..., importance=...)`.
-    """
-    cfg = get_preset(config) if isinstance(config, str) else config
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def hook(name):
-        def accumulate(module, inputs, output):
-            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
-            sums[name] = sums.get(name, 0) + (x * x).sum(0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
-        return accumulate
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
-               if type(m) is nn.Linear and cfg.for_module(n) is not None]
-    try:
-        for input_ids in batches:
-            model(input_ids=input_ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return {name: (sums[name] / counts[name]).cpu() for name in sums}
 
 
 PARAMETER_GROUPS = ("weights", "scales", "zeros", "codebooks", "lora")
@@ -504,5 +474,3 @@ def quant_config_from_dict(data: dict) -> QuantConfig:
     data["overrides"] = tuple((p, quant_config_from_dict(c)) for p, c in data.get("overrides", ()))
     return replace(QuantConfig(), **data)
 
-
-rtn_scale_zero = quant_init.rtn_scale_zero  # kept importable from here

@@ -1,131 +1,45 @@
-"""The trainer: replay the KD cache into a fake-quantised student's LoRA adapters and/or quantiser parameters.
+"""The trainer, as a recipe: replay the KD cache into a fake-quantised student's LoRA adapters and/or
+quantiser parameters.
 
-The loop reads top to bottom: build the student, make the preset's parameters trainable, resume if asked,
-then for each optimizer step run `accumulation_steps` micro-steps (forward, KD loss, backward), average
-gradients over ranks, clip, step, and cut the XLA graph once per micro-step. Metrics are read through step
-closures every `log_steps`, never inside the hot loop. Only the master evaluates, logs and writes.
+Set-up (student, trainable parameters, data, optimizer, resume), then the loop: for each optimizer step,
+`accumulation_steps` micro-steps (forward, KD loss, backward), gradients averaged over ranks, clip, update,
+one XLA graph cut per micro-step; then the final artefacts. Metrics are read through step closures every
+`log_steps`, never inside the hot loop. Only the master evaluates, logs and writes. Everything it uses is a
+component: config.TrainConfig, student (build, trainable sets, artefacts), loss.forward_loss, cache (reader),
+checkpoint, runs (folder layout, metrics log, stop signal), distributed (collectives), device.
 
     qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64 --max-steps 200
     qat-lora train --preset qat+lora ... --save-steps 50 --resume auto     # preemptible: rerun the same line
-    python scripts/train_recovery_lora_multi.py --num-chips 2 --device cpu ...   # gloo ranks (torchrun works too)
+    qat-lora train --num-chips 2 --device cpu ...                           # gloo ranks (see launch.py)
 
 SIGTERM/SIGINT: the current step finishes, a checkpoint is written, and the process exits with 128 + the
 signal number (143, 130): the run is unfinished, and the same command with `--resume auto` continues it.
 """
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import json
 import math
 import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from . import checkpoint as ckpt, device as dev, models
-from .cache import KDCache
+from . import checkpoint as ckpt, device as dev, models, runs
+from .cache import KDCache, batches_per_epoch, endless_batches
+from .config import TrainConfig
 from .distributed import Backend, init_backend
 from .files import atomic_write_json
-from .lora import add_recovery_lora_
-from .loss import KDLossConfig, kd_loss, kd_loss_chunked
-from .quant import (FakeQuantLinear, get_preset, quant_config_dict, quantize_, quantized_weights_once_per_step,
-                    quantizer_parameters)
-
-ADAPTER_DIR = "adapter"
-QUANTIZER_FILE = "quantizer.safetensors"
-BEST_DIR = "best"
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.json"
-SUMMARY_FILE = "summary.json"
-COMPILE_REPORT_FILE = "compile_report.json"
-TENSORBOARD_DIR = "tensorboard"
-# What each preset trains: LoRA adapters over the frozen quantised base, the quantiser's own parameters
-# (scales, zeros, codebooks, low-rank scale factors; LSQ-style), or both.
-TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
-    "recovery-lora": ("lora",),
-    "qat": ("quantizer",),
-    "qat+lora": ("lora", "quantizer"),
-}
-
-
-@dataclass
-class TrainConfig:
-    model: str = field(default="", metadata={"help": "full-precision model to quantise (folder, .gguf or hub name)"})
-    cache: str = field(default="caches/kd", metadata={"help": "KD cache folder from build-cache"})
-    quant: str = field(default="w3g64", metadata={"help": "quantisation preset (see `qat-lora presets`)"})
-    preset: str = field(default="recovery-lora", metadata={"help": "what trains: recovery-lora, qat (quantiser "
-                                                                    "scales/zeros) or qat+lora"})
-    out: str = field(default="runs/recovery", metadata={"help": "run folder (adapters, metrics, config)"})
-    max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per micro-step (per rank)"})
-    accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
-    warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of --lr"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
-    quantizer: str = field(default="", metadata={"help": "start from a qat run's quantizer.safetensors (QAT, "
-                                                          "then recovery LoRA); built with the same --quant"})
-    temperature: float = field(default=1.0, metadata={"help": "KD temperature"})
-    alpha: float = field(default=1.0, metadata={"help": "weight of the KD term; 1 - alpha on hard-label CE"})
-    renormalize_topk: bool = field(default=False, metadata={"help": "baseline only: renormalise teacher and student "
-                                                                     "over the K ids, dropping the tail (biased)"})
-    save_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only on SIGTERM/SIGINT)"})
-    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest K checkpoints (0 = all)"})
-    resume: str = field(default="", metadata={"help": "auto (newest checkpoint in --out, if any) or a "
-                                                      "checkpoint-N folder"})
-    eval_steps: int = field(default=0, metadata={"help": "held-out KD eval every N steps and at the end; keeps "
-                                                         "best/ (0 = off)"})
-    log_steps: int = field(default=10, metadata={"help": "read and write metrics every N steps"})
-    tensorboard: bool = field(default=False, metadata={"help": "also write metrics as TensorBoard scalars to "
-                                                               "OUT/tensorboard (pip install tensorboard)"})
-    seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
-    precision: str = field(default="auto", metadata={"help": "auto, fp32 or bf16 (autocast)"})
-    loss_chunk_size: int = field(default=128, metadata={"help": "positions per lm_head+loss chunk, each chunk's "
-                                                                   "logits freed after its gradient (0 = full logits)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward "
-                                                                          "(torch_xla's checkpoint on XLA)"})
-    attn_implementation: str = field(default="auto", metadata={"help": "auto (eager on XLA, sdpa elsewhere), eager, sdpa"})
-    xla_cache_dir: str = field(default="", metadata={"help": "persistent XLA compile cache folder (XLA devices only)"})
-    dist_timeout_s: float = field(default=600.0, metadata={"help": "torch.distributed collective timeout in seconds"})
-    overwrite: bool = field(default=False, metadata={"help": "replace an existing run in --out"})
-
-    def __post_init__(self) -> None:
-        if self.loss_chunk_size < 0:
-            raise ValueError(f"--loss-chunk-size {self.loss_chunk_size}: must be >= 0 (0 = full logits)")
-        for name in ("max_steps", "batch_size", "accumulation_steps", "log_steps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
-        for name in ("save_steps", "keep_checkpoints", "eval_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0 (0 = off)")
-        if self.lr <= 0:
-            raise ValueError(f"--lr {self.lr}: must be positive")
-        if not 0.0 < self.min_lr_ratio <= 1.0:
-            # A floor of exactly 0 would also make the last step's lr a special XLA scalar (a recompile).
-            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio}: must be in (0, 1]")
-        if self.preset not in TRAIN_PRESETS:
-            raise ValueError(f"--preset {self.preset!r}: choose one of {', '.join(TRAIN_PRESETS)}")
-        if self.resume and self.overwrite:
-            raise ValueError("--resume and --overwrite exclude each other")
-        get_preset(self.quant)
-        KDLossConfig(self.temperature, self.alpha, self.renormalize_topk)
-        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("--tensorboard: the tensorboard package is not installed; pip install tensorboard "
-                             "(or 'qat-lora[tensorboard]')")
-        if self.quantizer and not Path(self.quantizer).is_file():
-            raise ValueError(f"--quantizer {self.quantizer}: no such file; pass a qat run's quantizer.safetensors")
+from .loss import KDLossConfig, forward_loss
+from .metrics import kd_metrics
+from .quant import get_preset, quant_config_dict, quantized_weights_once_per_step
+from .student import (build_student, enable_activation_checkpointing_, make_trainable_, resolve_attn,
+                      save_artifacts, trainable_parameters)
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -134,155 +48,6 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
         return (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def resolve_attn(attn_implementation: str, device: torch.device) -> str:
-    # sdpa calls .item() and recompiles on XLA (DESIGN §6); eager is the safe choice there.
-    if attn_implementation == "auto":
-        return "eager" if dev.is_xla(device) else "sdpa"
-    return attn_implementation
-
-
-def build_student(model: str, quant: str, attn_implementation: str = "sdpa", quantizer: str = "") -> torch.nn.Module:
-    """Load the full-precision model and fake-quantise it with a preset (initialised as the preset says), then
-    optionally load a qat run's `quantizer.safetensors` (its trained scales, zeros, codebooks)."""
-    config = get_preset(quant)
-    if quantizer:  # every quantiser tensor is overwritten: skip the preset's (possibly slow) init search
-        config = replace(config, init="rtn")
-    student = quantize_(models.load_causal_lm(model, attn_implementation=attn_implementation), config)
-    if quantizer:
-        load_quantizer_state_(student, quantizer)
-    return student
-
-
-def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lora_alpha: float = 32.0):
-    """Freeze everything but what `preset` trains; returns the model to train (a PeftModel with LoRA).
-
-    Raises:
-        ValueError: an unknown preset.
-    """
-    if preset not in TRAIN_PRESETS:
-        raise ValueError(f"--preset {preset!r}: choose one of {', '.join(TRAIN_PRESETS)}")
-    parts = TRAIN_PRESETS[preset]
-    if "lora" in parts:
-        model = add_recovery_lora_(student, r=lora_r, alpha=lora_alpha)  # PEFT freezes the base
-    else:
-        model = student.requires_grad_(False)
-    if "quantizer" in parts:
-        for p in quantizer_parameters(model):
-            p.requires_grad_(True)
-    return model
-
-
-def enable_activation_checkpointing_(model: torch.nn.Module, device: torch.device) -> None:
-    """Recompute each decoder layer in backward with the checkpoint that really recomputes on `device`
-    (XLA would merge a plain recomputation with the forward; DESIGN §6)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=dev.checkpoint_fn(device))
-    base.enable_input_require_grads()  # a reentrant checkpoint passes gradients only to inputs that need them
-
-
-def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Trainable parameters by name, in module order (the optimizer's and the checkpoint's order)."""
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def quantizer_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Quantiser parameters named as in the plain quantised student (`model.layers.0.mlp.up_proj.scale`),
-    whether or not `model` is wrapped by PEFT."""
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, FakeQuantLinear):
-            base = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            out.update({f"{base}.{key}": p for key, p in module.quant_parameters().items()})
-    return out
-
-
-@torch.no_grad()
-def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
-    """Copy a run's `quantizer.safetensors` into a quantised student built with the same --quant."""
-    saved, params = load_file(str(path)), quantizer_state_dict(model)
-    missing = sorted(set(params) - set(saved))
-    if missing:
-        raise ValueError(f"{path}: no value for {missing[0]} ({len(missing)} missing); build the student with the "
-                         "run's --quant")
-    for name, p in params.items():
-        p.copy_(saved[name].to(p.device, p.dtype))
-
-
-def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KDLossConfig,
-                 chunk_size: int) -> dict[str, torch.Tensor]:
-    """Student forward + KD loss. With chunk_size > 0 the decoder runs alone and lm_head + loss run in
-    chunks of positions (`kd_loss_chunked`), never holding B x L x V logits."""
-    if chunk_size <= 0:
-        return kd_loss(model(input_ids=batch["input_ids"]).logits, batch, cfg)
-    decoder, head = models.decoder_and_head(model)
-    hidden = decoder(input_ids=batch["input_ids"]).last_hidden_state
-    weight, bias = models.head_weight_and_bias(head)
-    return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias)
-
-
-def batches_per_epoch(cache: KDCache, batch_size: int, rank: int = 0, world_size: int = 1) -> int:
-    """Full batches one rank reads per epoch (its rows are `order[rank::world_size]`)."""
-    return len(range(rank, cache.num_sequences("train"), world_size)) // batch_size
-
-
-def endless_batches(cache: KDCache, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                    start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """Epoch after epoch of shuffled fixed-shape training batches (each epoch's last partial batch dropped).
-
-    `start` batches are skipped (resume): the order is a pure function of (seed, epoch, rank, world_size), so
-    whole epochs are skipped without reading them, and only the batches before `start` in its epoch are read.
-    """
-    epoch, skip = divmod(start, batches_per_epoch(cache, batch_size, rank, world_size))
-    while True:
-        yield from itertools.islice(cache.batches("train", batch_size, seed=seed, epoch=epoch, rank=rank,
-                                                  world_size=world_size), skip, None)
-        epoch, skip = epoch + 1, 0
-
-
-def _prepare_out(cfg: TrainConfig, resuming: bool) -> Path:
-    """Create the run folder; with --overwrite (or --resume auto and nothing to resume) remove only what a
-    previous run wrote there. A resumed run keeps everything."""
-    out = Path(cfg.out)
-    if (out / CONFIG_FILE).exists() and not resuming:
-        if not (cfg.overwrite or cfg.resume == "auto"):
-            raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
-                             "another folder")
-        names = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPTER_DIR, QUANTIZER_FILE, BEST_DIR,
-                 TENSORBOARD_DIR)
-        for path in [out / name for name in names] + list(out.glob(ckpt.PREFIX + "*")) + \
-                list(out.glob(f".{ckpt.PREFIX}*")):
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def save_adapter(model, path: Path) -> None:
-    """Write the LoRA adapters as standard PEFT files, atomically (temp folder, then rename)."""
-    from peft import get_peft_model_state_dict
-
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    state = dev.state_dict_to_cpu(get_peft_model_state_dict(model))
-    model.save_pretrained(str(tmp), state_dict=state)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-
-
-def save_artifacts(model, preset: str, folder: Path) -> dict[str, str | None]:
-    """What the preset trained, in standard files: `adapter/` (PEFT) and/or `quantizer.safetensors`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, str | None] = {"adapter": None, "quantizer": None}
-    if "lora" in TRAIN_PRESETS[preset]:
-        save_adapter(model, folder / ADAPTER_DIR)
-        paths["adapter"] = str(folder / ADAPTER_DIR)
-    if "quantizer" in TRAIN_PRESETS[preset]:
-        tmp = folder / (QUANTIZER_FILE + ".tmp")
-        save_file({k: v.detach().cpu().contiguous() for k, v in quantizer_state_dict(model).items()}, str(tmp))
-        os.replace(tmp, folder / QUANTIZER_FILE)
-        paths["quantizer"] = str(folder / QUANTIZER_FILE)
-    return paths
 
 
 @dataclass
@@ -313,7 +78,7 @@ def _load_student(cfg: TrainConfig, device: torch.device, backend: Backend, cach
     if not backend.is_master:
         backend.rendezvous("master-loaded")
     tokenizer = models.load_tokenizer(cfg.model)
-    student = build_student(cfg.model, cfg.quant, resolve_attn(cfg.attn_implementation, device), cfg.quantizer)
+    student = build_student(cfg.student_spec(), resolve_attn(cfg.attn_implementation, device))
     if backend.is_master:
         backend.rendezvous("master-loaded")
     cache.check_compatible(tokenizer, models.vocab_size(student), models.max_positions(student))
@@ -333,7 +98,8 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
                          "--holdout-fraction > 0 or pass --eval-steps 0")
     resume_from = ckpt.find_resume_point(Path(cfg.out), cfg.resume)
     if backend.is_master:
-        _prepare_out(cfg, resuming=resume_from is not None)
+        runs.prepare_run_dir(cfg.out, overwrite=cfg.overwrite, resume_auto=cfg.resume == "auto",
+                             resuming=resume_from is not None)
     backend.rendezvous("out-ready")
     dev.seed_everything(cfg.seed)  # same seed on every rank: identical initial adapters everywhere
     model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha).to(device)
@@ -353,7 +119,7 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
         if cfg.resume == "auto":
             log(f"--resume auto: no checkpoint in {cfg.out}; starting at step 0")
         if backend.is_master:
-            atomic_write_json(run.out / CONFIG_FILE, {
+            atomic_write_json(run.out / runs.CONFIG_FILE, {
                 **asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant)),
                 "trainable_parameters": sum(p.numel() for p in params.values()),
                 "world_size": backend.world_size * backend.data_parallel})
@@ -404,10 +170,8 @@ def _restore(run: _Run, path: Path) -> None:
     run.wall_s_before = state.get("wall_s", 0.0)
 
 
-def _evaluate(run: _Run, metrics: ckpt.MetricsLog) -> None:
+def _evaluate(run: _Run, metrics: runs.MetricsLog) -> None:
     """Held-out KD loss and top-1 on the master; a new best is saved to `best/` (by eval loss, not train loss)."""
-    from .evaluate import kd_metrics  # evaluate imports this module
-
     if run.backend.is_master:
         run.model.eval()
         result = kd_metrics(run.model, run.cache, run.cfg.batch_size, run.device)
@@ -416,12 +180,12 @@ def _evaluate(run: _Run, metrics: ckpt.MetricsLog) -> None:
         metrics.write({"step": run.step, **result})
         if run.best_eval_loss is None or result["eval_loss"] < run.best_eval_loss:
             run.best_eval_loss = result["eval_loss"]
-            tmp = run.out / (BEST_DIR + ".tmp")
+            tmp = run.out / (runs.BEST_DIR + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             save_artifacts(run.model, run.cfg.preset, tmp)
             atomic_write_json(tmp / "eval.json", {"step": run.step, **result})
-            shutil.rmtree(run.out / BEST_DIR, ignore_errors=True)
-            os.replace(tmp, run.out / BEST_DIR)
+            shutil.rmtree(run.out / runs.BEST_DIR, ignore_errors=True)
+            os.replace(tmp, run.out / runs.BEST_DIR)
     run.backend.rendezvous(f"eval-{run.step}")
 
 
@@ -460,19 +224,19 @@ def _finish(run: _Run, started: float, first_step: int, compiled_by_step_2: int,
                "tokens_per_s": round(steps * run.tokens_per_step / max(wall, 1e-9), 1),
                "device": str(run.device), "world_size": run.backend.world_size * run.backend.data_parallel,
                "preset": run.cfg.preset, **paths, "best_eval_loss": run.best_eval_loss,
-               "best": str(run.out / BEST_DIR) if run.best_eval_loss is not None else None}
+               "best": str(run.out / runs.BEST_DIR) if run.best_eval_loss is not None else None}
     if dev.is_xla(run.device):
         report = dev.compile_metrics()
         report["graphs_compiled_after_step_2"] = report["graphs_compiled"] - compiled_by_step_2
         summary["compile"] = report
-        atomic_write_json(run.out / COMPILE_REPORT_FILE, report)
-        log(f"compile report ({run.out / COMPILE_REPORT_FILE}): {json.dumps(report)}")
-    atomic_write_json(run.out / SUMMARY_FILE, summary)
+        atomic_write_json(run.out / runs.COMPILE_REPORT_FILE, report)
+        log(f"compile report ({run.out / runs.COMPILE_REPORT_FILE}): {json.dumps(report)}")
+    atomic_write_json(run.out / runs.SUMMARY_FILE, summary)
     log(f"saved {paths['adapter'] or paths['quantizer']} ({summary['tokens_per_s']:,.0f} tok/s)")
     return summary
 
 
-def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics: ckpt.MetricsLog, progress,
+def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics: runs.MetricsLog, progress,
               clock: dict) -> None:
     """Queue this step's metrics record; its tensors are read in a step closure (after the graph ran on XLA)."""
     now = time.perf_counter()
@@ -490,42 +254,48 @@ def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics: ckpt.Me
     dev.add_step_closure(run.device, write_metrics)
 
 
+def _finished_run(cfg: TrainConfig, log: Callable[[str], None]) -> dict | None:
+    """With --resume auto, the summary of a run in --out that already reached --max-steps with this config
+    (a preemption loop may rerun the command once more); None otherwise."""
+    summary = runs.read_summary(cfg.out) if cfg.resume == "auto" else None
+    if summary is None or summary["steps"] < cfg.max_steps:
+        return None
+    saved = runs.read_config(cfg.out) or {}
+    ckpt.check_resumable({k: saved.get(k) for k in asdict(cfg)}, asdict(cfg), Path(cfg.out))
+    log(f"{cfg.out} already holds a finished run of {cfg.max_steps} steps; nothing to resume")
+    return summary
+
+
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend | None = None) -> dict:
     """Train what `cfg.preset` names; returns the run summary (also written to `out/summary.json`).
 
     Raises:
         SystemExit: 128 + signal number after SIGTERM/SIGINT, once a checkpoint is saved.
     """
-    finished = Path(cfg.out) / SUMMARY_FILE
-    if cfg.resume == "auto" and finished.exists() and json.loads(finished.read_text())["steps"] >= cfg.max_steps:
-        saved = json.loads((Path(cfg.out) / CONFIG_FILE).read_text())
-        ckpt.check_resumable({k: saved.get(k) for k in asdict(cfg)}, asdict(cfg), Path(cfg.out))
-        log(f"{cfg.out} already holds a finished run of {cfg.max_steps} steps; nothing to resume")
-        return json.loads(finished.read_text())  # a preemption loop may rerun the command once more
+    finished = _finished_run(cfg, log)
+    if finished is not None:
+        return finished
+    # Set-up: device and collectives, then every input checked before the run folder is touched.
     device = dev.resolve_device(cfg.device)
-    if device.type == "cpu":
-        dev.tune_host_allocator()
     backend = backend or init_backend(device, cfg.dist_timeout_s)
-    if device.type == "cuda" and backend.world_size > 1:
-        device = torch.device("cuda", backend.local_rank)
-        torch.cuda.set_device(device)
+    device = dev.prepare_process(device, backend.local_rank, backend.world_size)
     if cfg.xla_cache_dir and dev.is_xla(device):
         dev.init_xla_cache(cfg.xla_cache_dir, backend.rank)
     master = backend.is_master
     run = _set_up(cfg, device, backend, log if master else (lambda _: None))
-    loss_cfg = KDLossConfig(cfg.temperature, cfg.alpha, cfg.renormalize_topk)
-    amp_dtype = dev.autocast_dtype(device, cfg.precision)
+    loss_cfg, amp_dtype = cfg.loss_config(), dev.autocast_dtype(device, cfg.precision)
     first_step = run.step
     batches = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
                               start=first_step * cfg.accumulation_steps)
-    metrics = ckpt.MetricsLog(run.out / METRICS_FILE, run.step,
-                              run.out / TENSORBOARD_DIR if cfg.tensorboard else None) if master else None
+    metrics = runs.MetricsLog(run.out / runs.METRICS_FILE, run.step,
+                              run.out / runs.TENSORBOARD_DIR if cfg.tensorboard else None) if master else None
     progress = tqdm(total=cfg.max_steps, initial=first_step, desc="train", unit="step", disable=not master)
-    started, compiled_by_step_2 = time.perf_counter(), 0
-    run.started = started
+    run.started = started = time.perf_counter()
     clock = {"started": started, "last_time": started, "last_step": first_step}
+    compiled_by_step_2 = 0
     backend.rendezvous("start")
-    with ckpt.StopSignal() as stop:
+    # The loop: one optimizer step per iteration; metrics, evaluation and checkpoints at their intervals.
+    with runs.StopSignal() as stop:
         while run.step < cfg.max_steps:
             totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype)
             run.step += 1
@@ -540,11 +310,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
             if stopping or (cfg.save_steps and run.step % cfg.save_steps == 0 and run.step < cfg.max_steps):
                 saved = _save_checkpoint(run)
             if stopping:
-                signum = stop.signum or signal.SIGTERM
-                if master:
-                    log(f"stopped by {signal.Signals(signum).name} after step {run.step}; checkpoint {saved}; "
-                        "rerun with --resume auto to continue")
-                raise SystemExit(128 + signum)
+                _stop(run, stop.signum, saved, log)
+    # Save: the final artefacts, summary and compile report (master only).
     dev.sync(device)
     progress.close()
     backend.rendezvous("end")
@@ -554,3 +321,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
         summary = _finish(run, started, first_step, compiled_by_step_2, log)
     backend.shutdown()
     return summary
+
+
+def _stop(run: _Run, signum: int | None, saved: Path | None, log: Callable[[str], None]) -> None:
+    """End the process after a stop signal, once its checkpoint is saved: exit code 128 + signal number."""
+    signum = signum or signal.SIGTERM  # another rank received it
+    if run.backend.is_master:
+        log(f"stopped by {signal.Signals(signum).name} after step {run.step}; checkpoint {saved}; "
+            "rerun with --resume auto to continue")
+    raise SystemExit(128 + signum)

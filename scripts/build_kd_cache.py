@@ -4,4 +4,4 @@ import sys
 from qat_lora.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["build-cache", *sys.argv[1:]]))
+    sys.exit(main(script="build_kd_cache", argv=["build-cache", *sys.argv[1:]]))

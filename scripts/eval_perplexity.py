@@ -4,4 +4,4 @@ import sys
 from qat_lora.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["eval", *sys.argv[1:]]))
+    sys.exit(main(script="eval_perplexity", argv=["eval", *sys.argv[1:]]))

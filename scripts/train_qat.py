@@ -9,4 +9,4 @@ import sys
 from qat_lora.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["train", "--preset", "qat", *sys.argv[1:]]))
+    sys.exit(main(script="train_qat", argv=["train", "--preset", "qat", *sys.argv[1:]]))

@@ -4,4 +4,4 @@ import sys
 from qat_lora.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(main(script="train_recovery_lora", argv=["train", *sys.argv[1:]]))

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from qat_lora.cache import CacheBuildConfig, KDCache, build_cache, inspect_cache, merge_manifests, verify_cache
+from qat_lora.cache import KDCache, inspect_cache, verify_cache
+from qat_lora.cache_build import build_cache, merge_manifests
+from qat_lora.config import CacheBuildConfig
 from qat_lora.cli import main
 from qat_lora.encodings import DELTA_STEP, SampledEncoding, TopKEncoding, encode_rows, pack_bits, unpack_bits
 
@@ -164,6 +166,19 @@ def test_resume_refuses_different_arguments(reference, teacher_dir, corpus_dir, 
         build_cache(_config(teacher_dir, corpus_dir, out, top_k=4, resume=True), log=lambda _: None)
 
 
+def test_resume_of_a_finished_build_is_a_successful_no_op(reference, teacher_dir, corpus_dir, tmp_path):
+    # A preemption loop reruns `build-cache --resume` after the build completed: exit 0, nothing rewritten.
+    out = tmp_path / "done"
+    build_cache(_config(teacher_dir, corpus_dir, out), log=lambda _: None)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    messages = []
+    assert build_cache(_config(teacher_dir, corpus_dir, out, resume=True), log=messages.append) == out / "manifest.json"
+    assert "already complete" in messages[0]
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    with pytest.raises(ValueError, match="a cache already exists"):  # other arguments: not the same build
+        build_cache(_config(teacher_dir, corpus_dir, out, top_k=4, resume=True), log=lambda _: None)
+
+
 def _damaged_copy(reference: Path, tmp_path: Path) -> tuple[Path, Path]:
     copy = tmp_path / "damaged"
     copy.mkdir()
@@ -235,8 +250,9 @@ def test_preloaded_and_memory_mapped_reads_agree(reference):
 
 
 def test_trainer_and_eval_read_a_sampled_cache(teacher_dir, corpus_dir, tmp_path):
-    from qat_lora.evaluate import EvalConfig, evaluate
-    from qat_lora.train import TrainConfig, train
+    from qat_lora.config import EvalConfig, TrainConfig
+    from qat_lora.evaluate import evaluate
+    from qat_lora.train import train
 
     cache = tmp_path / "sampled"
     build_cache(_config(teacher_dir, corpus_dir, cache, encoding="sampled", num_samples=16), log=lambda _: None)

@@ -8,12 +8,14 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from qat_lora.cache import CacheBuildConfig, KDCache, batch_order, build_cache
+from qat_lora.cache import KDCache, batch_order
+from qat_lora.cache_build import build_cache
+from qat_lora.config import CacheBuildConfig, EvalConfig, TrainConfig
 from qat_lora.cli import main
 from qat_lora.data import pack
-from qat_lora.evaluate import EvalConfig, evaluate
+from qat_lora.evaluate import evaluate
 from qat_lora.models import load_causal_lm
-from qat_lora.train import TrainConfig, train
+from qat_lora.train import train
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ import json
 
 import qat_lora.assets
 from qat_lora.assets import Assets
-from qat_lora.demo import DemoConfig, run_demo
+from qat_lora.config import DemoConfig
+from qat_lora.demo import run_demo
 
 
 def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, corpus_dir, monkeypatch, capsys):

@@ -12,13 +12,14 @@ from safetensors.torch import load_file, save_file
 
 from qat_lora.cache import KDCache
 from qat_lora.cli import main
-from qat_lora.evaluate import kd_metrics
-from qat_lora.export import (ExportConfig, bits_per_weight, load_packed, pack_codes, read_packed_header,
+from qat_lora.config import ExportConfig, StudentSpec
+from qat_lora.metrics import kd_metrics
+from qat_lora.export import (bits_per_weight, load_packed, pack_codes, read_packed_header,
                              save_packed, unpack_codes)
 from qat_lora.lora import add_recovery_lora_, load_recovery_lora
 from qat_lora.models import load_causal_lm
 from qat_lora.quant import FakeQuantLinear, QuantConfig, get_preset, quantize_, quantizer_parameters
-from qat_lora.train import build_student, make_trainable_, save_artifacts
+from qat_lora.student import build_student, make_trainable_, save_artifacts
 
 PACKED_CASES = {
     "w3g32": get_preset("w3g32"),
@@ -139,7 +140,7 @@ def test_merge_report_gives_heldout_kd_loss_of_the_unmerged_and_the_merged_stude
     assert all(math.isfinite(merge[k]) for k in keys), merge
     assert merge["merged_layers"] == 14 and 0 < merge["requant_rel_error"] < 5
     cache, cpu = KDCache(cache_dir), torch.device("cpu")
-    unmerged = load_recovery_lora(build_student(str(teacher_dir), "w3g32"), tmp_path / "adapter").eval()
+    unmerged = load_recovery_lora(build_student(StudentSpec(str(teacher_dir), "w3g32")), tmp_path / "adapter").eval()
     before = kd_metrics(unmerged, cache, 4, cpu)  # 4 = ExportConfig.batch_size's default
     after = kd_metrics(load_causal_lm(out / "dense"), cache, 4, cpu)  # the merged export, reloaded
     for name in ("kd_kl", "kd_soft_ce"):
@@ -150,7 +151,7 @@ def test_merge_report_gives_heldout_kd_loss_of_the_unmerged_and_the_merged_stude
 
 def test_qat_quantizer_round_trips_through_export(teacher_dir, tmp_path):
     run = tmp_path / "qat-run"
-    model = make_trainable_(build_student(str(teacher_dir), "w3g32"), "qat")
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w3g32")), "qat")
     torch.manual_seed(0)
     with torch.no_grad():  # stands in for QAT: fractional zeros, scales off their round-to-nearest init (with
         # this seed, fp16(zero) rounds the other way than zero in a few groups: the packed file must not care)
@@ -161,8 +162,8 @@ def test_qat_quantizer_round_trips_through_export(teacher_dir, tmp_path):
     assert main(["export", "--model", str(teacher_dir), "--quant", "w3g32", "--quantizer", quantizer,
                  "--out", str(out)]) == 0
     assert json.loads((out / "export.json").read_text())["config"]["quantizer"] == quantizer
-    trained = build_student(str(teacher_dir), "w3g32", "eager", quantizer=quantizer).eval()
-    ptq = build_student(str(teacher_dir), "w3g32", "eager").eval()
+    trained = build_student(StudentSpec(str(teacher_dir), "w3g32", quantizer), "eager").eval()
+    ptq = build_student(StudentSpec(str(teacher_dir), "w3g32"), "eager").eval()
     dense = load_causal_lm(out / "dense", attn_implementation="eager")
     ids = _ids(trained)
     with torch.no_grad():

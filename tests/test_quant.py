@@ -112,7 +112,8 @@ def test_cached_weight_follows_parameter_updates():
 # --- issue 4: schemes, initialisation, gradients, parameter groups -------------------------------------------
 
 from qat_lora import quant_init  # noqa: E402
-from qat_lora.quant import (calibrate, dequantize, parameter_groups, quant_config_dict,  # noqa: E402
+from qat_lora.calibration import activation_importance  # noqa: E402
+from qat_lora.quant import (dequantize, parameter_groups, quant_config_dict,  # noqa: E402
                             quant_config_from_dict, set_trainable_)
 
 SCHEME_CASES = {
@@ -218,7 +219,7 @@ def test_weighted_kmeans_matches_float64_lloyd_fixed_point():
 def test_data_aware_init_lowers_activation_weighted_error(teacher_dir, tokenizer):
     model = load_causal_lm(teacher_dir)
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    importance = calibrate(model, [ids], "w2g32")
+    importance = activation_importance(model, [ids], "w2g32")
     assert set(importance) == {n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"}
     name = "model.layers.0.mlp.down_proj"
     weight = model.get_submodule(name).weight.detach().clone()

@@ -155,14 +155,16 @@ def test_searched_init_is_computed_once_by_the_start_row(recovery, first_run, ti
     import qat_lora.train as train_module
     from safetensors.torch import load_file
 
+    from qat_lora.config import StudentSpec
+    from qat_lora.student import quantizer_state_dict
+
     searched = []
     real_build = train_module.build_student
 
-    def counting_build(model, quant, *rest, **kw):
-        quantizer = kw.get("quantizer", rest[1] if len(rest) > 1 else "")
-        if not quantizer:
-            searched.append(quant)
-        return real_build(model, quant, *rest, **kw)
+    def counting_build(spec, *rest, **kw):
+        if not spec.quantizer:
+            searched.append(spec.quant)
+        return real_build(spec, *rest, **kw)
 
     monkeypatch.setattr(train_module, "build_student", counting_build)
     args = list(tiny_args)
@@ -179,5 +181,5 @@ def test_searched_init_is_computed_once_by_the_start_row(recovery, first_run, ti
     run_config = json.loads((Path(records[1]["run_dir"]) / "config.json").read_text())
     assert run_config["quantizer"] == str(init_file)
     saved = load_file(str(init_file))
-    fresh = train_module.quantizer_state_dict(real_build(str(teacher_dir), "w2g32"))
+    fresh = quantizer_state_dict(real_build(StudentSpec(str(teacher_dir), "w2g32")))
     assert saved.keys() == fresh.keys() and all(torch.equal(saved[k], fresh[k]) for k in fresh)

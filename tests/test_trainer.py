@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 from qat_lora import checkpoint as ckpt
 from qat_lora.cache import KDCache, batch_order
 from qat_lora.cli import main
-from qat_lora.distributed import launch_local
-from qat_lora.evaluate import kd_metrics, load_model_for_eval
+from qat_lora.config import TRAIN_PRESETS, StudentSpec, TrainConfig
+from qat_lora.launch import launch_local
+from qat_lora.metrics import kd_metrics
 from qat_lora.quant import quantizer_parameters
-from qat_lora.train import (TRAIN_PRESETS, TrainConfig, build_student, enable_activation_checkpointing_,
-                            make_trainable_,
-                            quantizer_state_dict, train)
+from qat_lora.student import (build_student, enable_activation_checkpointing_, load_student, make_trainable_,
+                              quantizer_state_dict)
+from qat_lora.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = dict(log=lambda _: None)
@@ -48,7 +49,7 @@ def _curve(run: Path) -> list[dict]:
 
 @pytest.mark.parametrize("preset", list(TRAIN_PRESETS))
 def test_preset_trains_exactly_its_parameters(preset, teacher_dir):
-    model = make_trainable_(build_student(str(teacher_dir), "w2g32"), preset, lora_r=4)
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), preset, lora_r=4)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     quant = {n for n, p in model.named_parameters() if any(p is q for q in quantizer_parameters(model))}
     lora = {n for n in dict(model.named_parameters()) if "lora_" in n}
@@ -64,14 +65,14 @@ def _heldout(teacher_dir, cache_dir, run: Path | None, quantizer: Path | None = 
     if run is not None and (run / "quantizer.safetensors").exists():
         quantizer = run / "quantizer.safetensors"
     adapter = run / "adapter" if run is not None and (run / "adapter").exists() else ""
-    student = load_model_for_eval(str(teacher_dir), "w2g32", str(adapter), quantizer=str(quantizer or ""))
+    student = load_student(StudentSpec(str(teacher_dir), "w2g32", str(quantizer or "")), str(adapter))
     return kd_metrics(student, KDCache(cache_dir), 8, torch.device("cpu"))["kd_soft_ce"]
 
 
 def test_recovery_lora_can_start_from_a_qat_run(teacher_dir, cache_dir, tmp_path):
     qat = tmp_path / "qat"
     train(_cfg(teacher_dir, cache_dir, qat, preset="qat", max_steps=6), **QUIET)
-    student = build_student(str(teacher_dir), "w2g32", quantizer=str(qat / "quantizer.safetensors"))
+    student = build_student(StudentSpec(str(teacher_dir), "w2g32", str(qat / "quantizer.safetensors")))
     saved = load_file(str(qat / "quantizer.safetensors"))
     assert all(torch.equal(v, saved[k]) for k, v in quantizer_state_dict(student).items())
     lora = tmp_path / "lora"
@@ -93,7 +94,7 @@ def test_each_preset_lowers_heldout_kd_loss_and_saves_what_it_trained(preset, te
     assert summary["preset"] == preset
     if "quantizer" in TRAIN_PRESETS[preset]:
         saved = load_file(str(run / "quantizer.safetensors"))
-        initial = quantizer_state_dict(build_student(str(teacher_dir), "w2g32"))
+        initial = quantizer_state_dict(build_student(StudentSpec(str(teacher_dir), "w2g32")))
         assert saved.keys() == initial.keys()
         assert any(not torch.equal(saved[k], initial[k]) for k in saved)
     assert _heldout(teacher_dir, cache_dir, run) < _heldout(teacher_dir, cache_dir, None) - 0.005
@@ -172,7 +173,7 @@ def test_gradient_checkpointing_changes_no_value(preset, teacher_dir, cache_dir,
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
     for r1, r2 in zip(_curve(plain), _curve(recomputed), strict=True):
         assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-6) and r2["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-5)
-    model = make_trainable_(build_student(str(teacher_dir), "w2g32"), preset, lora_r=4)
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), preset, lora_r=4)
     enable_activation_checkpointing_(model, torch.device("cpu"))
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     assert layers and all(m.gradient_checkpointing for m in layers)
@@ -204,7 +205,7 @@ def test_accumulated_micro_steps_make_the_same_update_as_one_batch(preset, teach
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
     if preset == "qat+lora":  # the quantiser really moved, so the comparison says something
-        start = quantizer_state_dict(build_student(str(teacher_dir), "w2g32"))
+        start = quantizer_state_dict(build_student(StudentSpec(str(teacher_dir), "w2g32")))
         moved = load_file(str(whole / "quantizer.safetensors"))
         assert any(not torch.equal(moved[k], start[k]) for k in start)
     for r1, r2 in zip(_curve(whole), _curve(accumulated), strict=True):
@@ -303,16 +304,22 @@ def test_periodic_eval_keeps_the_best_checkpoint_by_heldout_loss(teacher_dir, ca
 def test_unavailable_devices_and_bad_flags_are_one_line_errors(teacher_dir, cache_dir, tmp_path):
     with pytest.raises(ValueError, match="--preset 'lora'"):
         _cfg(teacher_dir, cache_dir, tmp_path, preset="lora")
-    from qat_lora.device import _tpu_present, resolve_device
+    from qat_lora.device import tpu_present, resolve_device
 
-    if not _tpu_present():
+    if not tpu_present():
         with pytest.raises(ValueError, match="--device tpu"):
             resolve_device("tpu")
     script = [sys.executable, str(ROOT / "scripts" / "train_recovery_lora_multi.py")]
-    result = subprocess.run(script + ["--num-chips", "2", "--parallel", "spmd", "--device", "cpu"],
+    result = subprocess.run(script + ["--num-chips", "2", "--parallel", "spmd", "--device", "cpu", "--model", "m"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
         "train_recovery_lora_multi: error: --parallel spmd with --device cpu: SPMD needs --device xla")
+    result = subprocess.run(script + ["--num-chips", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        "train_recovery_lora_multi: error: --model is required: the full-precision model folder, .gguf file or hub name")
+    result = subprocess.run(script + ["--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("usage: train_recovery_lora_multi")
+    assert "--num-chips" in result.stdout and "--parallel" in result.stdout
 
 
 def test_tensorboard_scalars_match_the_metrics_file(teacher_dir, cache_dir, tmp_path):

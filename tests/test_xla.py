@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qat_lora.cache import CacheBuildConfig, build_cache
+from qat_lora.cache_build import build_cache
+from qat_lora.config import CacheBuildConfig
 
 if importlib.util.find_spec("torch_xla") is None:
     if os.environ.get("CI"):
@@ -111,13 +112,13 @@ def test_spmd_over_two_devices_with_recompute_matches_one_device_with_the_whole_
 
 
 def test_multi_chip_xla_processes_on_a_cpu_host_are_a_one_line_error(tmp_path):
-    from qat_lora.device import _tpu_present
+    from qat_lora.device import tpu_present
 
-    if _tpu_present():
+    if tpu_present():
         pytest.skip("a TPU host runs XLA replicas")
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     result = subprocess.run([sys.executable, str(SCRIPT), "--num-chips", "2", "--device", "xla", "--parallel",
-                             "processes", "--out", str(tmp_path / "r")], env=env, capture_output=True, text=True,
+                             "processes", "--model", "m", "--out", str(tmp_path / "r")], env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(

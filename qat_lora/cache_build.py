@@ -1,0 +1,241 @@
+"""The KD cache builder (DESIGN §2): the teacher runs once; its targets are read thousands of times.
+
+Rank r of W takes the sequences with index = r (mod W) of each split, runs the teacher in fixed-shape
+batches, and hands the device results to a background writer that encodes (docs/cache-format.md), writes
+each shard under a temporary name, renames it, and records it in `progress-r{r}.json`. `--resume` continues
+after the last recorded shard, so a killed build ends byte-identical to an uninterrupted one. When every
+rank is done, `merge` (automatic for one rank) writes the single `manifest.json` the reader (cache.py) needs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from . import __version__, data, device as dev, models
+from .cache import MANIFEST, SCHEMA_VERSION
+from .config import CacheBuildConfig
+from .files import atomic_write_json, sha256_file
+
+
+def _row_seed(seed: int, split: str, row: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{split}/{row}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _stack_rows(rows: list[dict[str, np.ndarray]], ragged: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Rows -> shard tensors: fixed-shape keys stacked, ragged keys concatenated with `{key}_offsets`."""
+    out = {}
+    for key in rows[0]:
+        if key in ragged:
+            lengths = [len(r[key]) for r in rows]
+            out[key] = np.concatenate([r[key] for r in rows])
+            out[f"{key}_offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        else:
+            out[key] = np.stack([r[key] for r in rows])
+    return out
+
+
+class _ShardWriter:
+    """Background writer: packs rows, writes `name.tmp`, renames, records progress — in submission order."""
+
+    def __init__(self, out: Path, encoding, vocab_size: int, progress_path: Path, progress: dict) -> None:
+        self.out, self.encoding, self.vocab_size = out, encoding, vocab_size
+        self.progress_path, self.progress = progress_path, progress
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pending: list[Future] = []
+
+    def submit(self, split: str, name: str, base: dict[str, np.ndarray], selected: list[dict], rows: list[int]) -> None:
+        """Queue one shard; `rows` = [start, stop, step] of its global sequence indices."""
+        while len(self.pending) >= 2:  # bound the memory held by queued shards
+            self.pending.pop(0).result()
+        self.pending.append(self.pool.submit(self._write, split, name, base, selected, rows))
+
+    def _write(self, split: str, name: str, base: dict[str, np.ndarray], selected: list[dict], rows: list[int]) -> None:
+        packed = [self.encoding.pack_row(s, self.vocab_size) for s in selected]
+        arrays = {**base, **_stack_rows(packed, self.encoding.ragged_keys)}
+        tmp = self.out / (name + ".tmp")
+        save_file(arrays, str(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; caches are meant to be shared
+        os.replace(tmp, self.out / name)
+        self.progress["shards"][split].append({"file": name, "rows": rows, "bytes": (self.out / name).stat().st_size,
+                                               "sha256": sha256_file(self.out / name)})
+        atomic_write_json(self.progress_path, self.progress)
+
+    def close(self) -> None:
+        for future in self.pending:
+            future.result()
+        self.pool.shutdown()
+
+
+def _load_progress(cfg: CacheBuildConfig, out: Path, path: Path) -> dict:
+    fresh = {"fingerprint": cfg.fingerprint(), "rank": cfg.rank, "shards": {s: [] for s in data.SPLITS}}
+    if not cfg.resume or not path.exists():
+        return fresh
+    progress = json.loads(path.read_text())
+    if progress.get("fingerprint") != cfg.fingerprint():
+        raise ValueError(f"--resume: {out} was built with other arguments; rerun with the same flags or --overwrite")
+    for split in data.SPLITS:
+        for shard in progress["shards"][split]:
+            file = out / shard["file"]
+            if not file.exists() or sha256_file(file) != shard["sha256"]:
+                raise ValueError(f"--resume: shard {file} is missing or changed; rebuild with --overwrite")
+    return progress
+
+
+def _finished(cfg: CacheBuildConfig) -> bool:
+    """--resume on a cache whose build finished with these same arguments (its manifest exists)."""
+    out = Path(cfg.out)
+    progress = out / f"progress-r{cfg.rank:03d}.json"
+    if not (cfg.resume and cfg.world_size == 1 and (out / MANIFEST).exists() and progress.exists()):
+        return False
+    return json.loads(progress.read_text()).get("fingerprint") == cfg.fingerprint()
+
+
+def _prepare_out(cfg: CacheBuildConfig) -> Path:
+    out = Path(cfg.out)
+    mine = f"-r{cfg.rank:03d}-"
+    if (out / MANIFEST).exists() and not cfg.overwrite:
+        raise ValueError(f"--out {out}: a cache already exists there; pass --overwrite or choose another folder")
+    if not cfg.resume and any(mine in p.name for p in out.glob("*.safetensors")) and not cfg.overwrite:
+        raise ValueError(f"--out {out}: holds an unfinished build of rank {cfg.rank}; pass --resume or --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.tmp"):
+        stale.unlink()  # half-written files of a crashed build never carry a real name
+    if cfg.overwrite:
+        for old in [*out.glob("*.safetensors"), *out.glob("progress-r*.json"), *out.glob("manifest*.json")]:
+            old.unlink()
+    return out
+
+
+def _tokenise(cfg: CacheBuildConfig, files: list[Path], tokenizer) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    docs = data.tokenized_documents(files, tokenizer, cfg.text_field, chat=cfg.chat)
+    streams = data.split_token_streams(docs, tokenizer, cfg.holdout_fraction, cfg.max_tokens or None)
+    if not streams["train"]:
+        raise ValueError(f"--data {' '.join(cfg.data)}: no text found (empty corpus)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return {s: data.pack(streams[s], cfg.seq_len, pad_id=pad) for s in data.SPLITS}
+
+
+def _load_teacher(cfg: CacheBuildConfig):
+    tokenizer = models.load_tokenizer(cfg.teacher)
+    teacher = models.load_causal_lm(cfg.teacher)
+    limit = models.max_positions(teacher)
+    if limit is not None and cfg.seq_len > limit:
+        raise ValueError(f"--seq-len {cfg.seq_len}: longer than the teacher's context ({limit} positions)")
+    if cfg.encoding == "topk" and cfg.top_k > models.vocab_size(teacher):
+        raise ValueError(f"--top-k {cfg.top_k}: larger than the vocabulary ({models.vocab_size(teacher)})")
+    return tokenizer, teacher
+
+
+def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Path:
+    """Run the teacher over this rank's sequences and write its shards; with one rank also the manifest.
+
+    Returns the manifest path (one rank) or this rank's partial manifest (several ranks).
+    Raises:
+        ValueError: missing teacher or data, empty corpus, seq_len beyond the teacher's context, an existing
+            cache without --overwrite, a --resume whose arguments differ from the interrupted build.
+    """
+    files = data.list_text_files(cfg.data)  # cheap checks first: a typo should not wait for the teacher
+    if _finished(cfg):  # a preemption loop may rerun the build once more after it completed
+        log(f"{cfg.out}: this build is already complete; nothing to resume")
+        return Path(cfg.out) / MANIFEST
+    tokenizer, teacher = _load_teacher(cfg)
+    packed = _tokenise(cfg, files, tokenizer)
+    out = _prepare_out(cfg)
+    device = dev.prepare_process(dev.resolve_device(cfg.device))
+    teacher.to(device)
+    encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
+    progress_path = out / f"progress-r{cfg.rank:03d}.json"
+    progress = _load_progress(cfg, out, progress_path)
+    writer = _ShardWriter(out, encoding, vocab, progress_path, progress)
+    mine = {s: np.arange(cfg.rank, len(packed[s][0]), cfg.world_size) for s in data.SPLITS}
+    done = {s: sum(len(range(*sh["rows"])) for sh in progress["shards"][s]) for s in data.SPLITS}
+    total = sum(int(packed[s][1][mine[s]].sum()) for s in data.SPLITS)
+    log(f"teacher {cfg.teacher} on {device}, rank {cfg.rank}/{cfg.world_size}: {total:,} tokens, "
+        + ", ".join(f"{s} {len(mine[s])} x {cfg.seq_len}" for s in data.SPLITS)
+        + (f", resuming after {sum(done.values())} sequences" if any(done.values()) else ""))
+    started = time.perf_counter()
+    with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher") as bar:
+        bar.update(sum(int(packed[s][1][mine[s][:done[s]]].sum()) for s in data.SPLITS))
+        for split in data.SPLITS:
+            _build_split(cfg, teacher, device, encoding, split, packed[split], mine[split], done[split], writer, bar)
+    writer.close()
+    elapsed = time.perf_counter() - started
+    partial = {"rank": cfg.rank, "world_size": cfg.world_size, "shards": progress["shards"],
+               "sequences": {s: len(packed[s][0]) for s in data.SPLITS},
+               "tokens": {s: int(packed[s][1].sum()) for s in data.SPLITS},
+               "header": _header(cfg, files, teacher, tokenizer, vocab, encoding),
+               "seconds": round(elapsed, 2)}
+    path = out / f"manifest-r{cfg.rank:03d}.json"
+    atomic_write_json(path, partial)
+    log(f"rank {cfg.rank}: shards written in {elapsed:.1f} s")
+    return merge_manifests(out, log) if cfg.world_size == 1 else path
+
+
+def _build_split(cfg, teacher, device, encoding, split: str, packed: tuple[np.ndarray, np.ndarray],
+                 rows: np.ndarray, done: int, writer: _ShardWriter, bar: tqdm) -> None:
+    input_ids, mask = packed
+    for shard_start in range(done, len(rows), cfg.shard_sequences):
+        shard_rows = rows[shard_start:shard_start + cfg.shard_sequences]
+        selected: list[dict] = []
+        for start in range(0, len(shard_rows), cfg.batch_size):
+            batch_rows = shard_rows[start:start + cfg.batch_size]
+            ids = np.zeros((cfg.batch_size, cfg.seq_len), dtype=np.int64)  # fixed shape: pad the last batch
+            ids[:len(batch_rows)] = input_ids[batch_rows]
+            with torch.no_grad():
+                logits = teacher(input_ids=torch.from_numpy(ids).to(device)).logits
+            seeds = [_row_seed(cfg.seed, split, int(r)) for r in batch_rows]
+            selected += encoding.select(logits[:len(batch_rows)], seeds)
+            bar.update(int(mask[batch_rows].sum()))
+        name = f"{split}-r{cfg.rank:03d}-{shard_start // cfg.shard_sequences:05d}.safetensors"
+        base = {"input_ids": input_ids[shard_rows].astype(np.int32), "attention_mask": mask[shard_rows]}
+        span = [int(shard_rows[0]), int(shard_rows[-1]) + cfg.world_size, cfg.world_size]  # range(*span)
+        writer.submit(split, name, base, selected, span)
+
+
+def _header(cfg: CacheBuildConfig, files: list[Path], teacher, tokenizer, vocab: int, encoding) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "teacher": models.model_fingerprint(teacher, cfg.teacher),
+            "tokenizer_sha256": models.tokenizer_hash(tokenizer), "vocab_size": vocab, "seq_len": cfg.seq_len,
+            "encoding": encoding.params(), "corpus_sha256": data.corpus_fingerprint(files),
+            "builder": {"version": __version__, "args": {k: v for k, v in asdict(cfg).items()
+                                                         if k not in ("rank", "resume", "overwrite")}}}
+
+
+def merge_manifests(path: str | Path, log: Callable[[str], None] = print) -> Path:
+    """Unite the ranks' partial manifests into `manifest.json`; every rank of the build must be done."""
+    out = Path(path)
+    partials = [json.loads(p.read_text()) for p in sorted(out.glob("manifest-r*.json"))]
+    if not partials:
+        raise ValueError(f"{out}: no manifest-r*.json; run build-cache first")
+    world = partials[0]["world_size"]
+    ranks = sorted(p["rank"] for p in partials)
+    if ranks != list(range(world)):
+        raise ValueError(f"{out}: ranks {ranks} finished, the build has {world}; finish the missing ranks first")
+    headers = [json.dumps({k: v for k, v in p["header"].items() if k != "builder"}, sort_keys=True) for p in partials]
+    if len(set(headers)) != 1:
+        raise ValueError(f"{out}: the ranks' manifests disagree (teacher, tokenizer, encoding or corpus)")
+    splits = {}
+    for split in data.SPLITS:
+        shards = [dict(sh, rank=p["rank"]) for p in partials for sh in p["shards"][split]]
+        splits[split] = {"sequences": partials[0]["sequences"][split], "tokens": partials[0]["tokens"][split],
+                         "shards": shards}
+        if sum(len(range(*sh["rows"])) for sh in shards) != splits[split]["sequences"]:
+            raise ValueError(f"{out}: the {split} shards do not cover its {splits[split]['sequences']} sequences")
+    manifest = {**partials[0]["header"], "world_size": world, "splits": splits,
+                "build_seconds": max(p["seconds"] for p in partials)}
+    atomic_write_json(out / MANIFEST, manifest)
+    log(f"wrote {out / MANIFEST}")
+    return out / MANIFEST

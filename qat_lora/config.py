@@ -1,0 +1,264 @@
+"""The configuration of every command, one dataclass each; CLI flags map 1:1 to their fields.
+
+Every field carries its help text (what `--help` prints) and every config validates itself in
+`__post_init__`, so a bad value fails in one line before any model is loaded or any folder is touched.
+The student (model + quantisation preset + trained quantiser) is one spec, `StudentSpec`, shared by the
+train, eval and export configs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .encodings import SampledEncoding, TopKEncoding
+from .loss import KDLossConfig
+from .quant import get_preset
+
+# What each training preset trains: LoRA adapters over the frozen quantised base, the quantiser's own
+# parameters (scales, zeros, codebooks, low-rank scale factors; LSQ-style), or both.
+TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
+    "recovery-lora": ("lora",),
+    "qat": ("quantizer",),
+    "qat+lora": ("lora", "quantizer"),
+}
+PARALLEL_MODES = ("auto", "processes", "spmd")
+
+
+@dataclass
+class StudentSpec:
+    """The quantised student: a full-precision model, a quantisation preset, and optionally a qat run's
+    trained quantiser. Train, eval and export share these flags and their checks."""
+
+    model: str = field(default="", metadata={"help": "full-precision model (transformers folder, .gguf or hub "
+                                                     "name); required"})
+    quant: str = field(default="w3g64", metadata={"help": "quantisation preset (see `qat-lora presets`)"})
+    quantizer: str = field(default="", metadata={"help": "a qat run's quantizer.safetensors (its trained scales, "
+                                                          "zeros, codebooks); the student must use the same --quant"})
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model is required: the full-precision model folder, .gguf file or hub name")
+        if self.quant:
+            get_preset(self.quant)
+        if self.quantizer and not self.quant:
+            raise ValueError("--quantizer needs --quant: it belongs to a quantised student (pass the run's --quant)")
+        if self.quantizer and not Path(self.quantizer).is_file():
+            raise ValueError(f"--quantizer {self.quantizer}: no such file; pass a qat run's quantizer.safetensors")
+
+    def student_spec(self) -> "StudentSpec":
+        """Just the student part of a command's config."""
+        return StudentSpec(self.model, self.quant, self.quantizer)
+
+
+@dataclass
+class TrainConfig(StudentSpec):
+    cache: str = field(default="caches/kd", metadata={"help": "KD cache folder from build-cache"})
+    preset: str = field(default="recovery-lora", metadata={"help": "what trains: recovery-lora, qat (quantiser "
+                                                                    "scales/zeros) or qat+lora"})
+    out: str = field(default="runs/recovery", metadata={"help": "run folder (adapters, metrics, config)"})
+    max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per micro-step (per chip)"})
+    accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of --lr"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
+    temperature: float = field(default=1.0, metadata={"help": "KD temperature"})
+    alpha: float = field(default=1.0, metadata={"help": "weight of the KD term; 1 - alpha on hard-label CE"})
+    renormalize_topk: bool = field(default=False, metadata={"help": "baseline only: renormalise teacher and student "
+                                                                     "over the K ids, dropping the tail (biased)"})
+    save_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only on SIGTERM/SIGINT)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest K checkpoints (0 = all)"})
+    resume: str = field(default="", metadata={"help": "auto (newest checkpoint in --out, if any) or a "
+                                                      "checkpoint-N folder"})
+    eval_steps: int = field(default=0, metadata={"help": "held-out KD eval every N steps and at the end; keeps "
+                                                         "best/ (0 = off)"})
+    log_steps: int = field(default=10, metadata={"help": "read and write metrics every N steps"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write metrics as TensorBoard scalars to "
+                                                               "OUT/tensorboard (pip install tensorboard)"})
+    seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+    num_chips: int = field(default=1, metadata={"help": "devices to train on: TPU chips, GPUs or CPU processes "
+                                                        "(global batch = chips x --batch-size x accumulation)"})
+    parallel: str = field(default="auto", metadata={"help": "with --num-chips > 1: processes (one per chip), spmd "
+                                                            "(one XLA process over a data mesh) or auto"})
+    precision: str = field(default="auto", metadata={"help": "auto (bf16 autocast on CUDA and TPU, fp32 on the CPU), "
+                                                             "fp32 or bf16"})
+    loss_chunk_size: int = field(default=128, metadata={"help": "positions per lm_head+loss chunk, each chunk's "
+                                                                   "logits freed after its gradient (0 = full logits)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward "
+                                                                          "(torch_xla's checkpoint on XLA)"})
+    attn_implementation: str = field(default="auto", metadata={"help": "auto (eager on XLA, sdpa elsewhere), eager, sdpa"})
+    xla_cache_dir: str = field(default="", metadata={"help": "persistent XLA compile cache folder (XLA devices only)"})
+    dist_timeout_s: float = field(default=600.0, metadata={"help": "torch.distributed collective timeout in seconds"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing run in --out"})
+
+    def __post_init__(self) -> None:
+        if self.loss_chunk_size < 0:
+            raise ValueError(f"--loss-chunk-size {self.loss_chunk_size}: must be >= 0 (0 = full logits)")
+        for name in ("max_steps", "batch_size", "accumulation_steps", "log_steps", "num_chips"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        for name in ("save_steps", "keep_checkpoints", "eval_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0 (0 = off)")
+        if not self.lr > 0:  # also refuses nan
+            raise ValueError(f"--lr {self.lr}: must be positive")
+        if not 0.0 < self.min_lr_ratio <= 1.0:
+            # A floor of exactly 0 would also make the last step's lr a special XLA scalar (a recompile).
+            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio}: must be in (0, 1]")
+        if self.preset not in TRAIN_PRESETS:
+            raise ValueError(f"--preset {self.preset!r}: choose one of {', '.join(TRAIN_PRESETS)}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"--parallel {self.parallel!r}: choose one of {', '.join(PARALLEL_MODES)}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite exclude each other")
+        if not self.quant:
+            raise ValueError("--quant is required for training: a quantisation preset (see `qat-lora presets`)")
+        self.loss_config()
+        if self.tensorboard:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ValueError("--tensorboard: the tensorboard package is not installed; pip install tensorboard "
+                                 "(or 'qat-lora[tensorboard]')")
+        super().__post_init__()
+
+    def loss_config(self) -> KDLossConfig:
+        return KDLossConfig(self.temperature, self.alpha, self.renormalize_topk)
+
+
+@dataclass
+class EvalConfig(StudentSpec):
+    quant: str = field(default="", metadata={"help": "quantisation preset; empty = evaluate the model unquantised"})
+    adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to attach"})
+    text: list[str] = field(default_factory=list, metadata={"help": "held-out text files or folders for perplexity"})
+    cache: str = field(default="", metadata={"help": "KD cache whose held-out split gives KD loss and top-1"})
+    seq_len: int = field(default=512, metadata={"help": "perplexity context (non-overlapping windows)"})
+    max_tokens: int = field(default=20_000, metadata={"help": "perplexity token budget (0 = all)"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per forward"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+    json_out: str = field(default="", metadata={"help": "write the results here as JSON"})
+
+    def __post_init__(self) -> None:
+        if not self.text and not self.cache:
+            raise ValueError("eval: pass --text (perplexity) and/or --cache (KD metrics)")
+        if self.adapter and not self.quant:
+            raise ValueError("--adapter needs --quant: it belongs to a quantised student (pass the run's --quant)")
+        super().__post_init__()
+
+
+EXPORT_FORMATS = ("packed", "dense", "both")
+
+
+@dataclass
+class ExportConfig(StudentSpec):
+    adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
+    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, export.json)"})
+    format: str = field(default="both", metadata={"help": "packed, dense or both"})
+    merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
+    cache: str = field(default="", metadata={"help": "KD cache: report held-out KD loss before/after the merge"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per forward for the merge report"})
+
+    def __post_init__(self) -> None:
+        if self.format not in EXPORT_FORMATS:
+            raise ValueError(f"--format {self.format}: use one of {', '.join(EXPORT_FORMATS)}")
+        if self.merge_adapter and not self.adapter:
+            raise ValueError("--merge-adapter needs --adapter (the run's adapter/ folder)")
+        if self.cache and not self.merge_adapter:
+            raise ValueError("--cache only feeds the merge report: add --merge-adapter (with --adapter) or drop "
+                             "--cache")
+        if not self.quant:
+            raise ValueError("--quant is required for export: the preset the student was trained with")
+        super().__post_init__()
+
+
+@dataclass
+class DemoConfig:
+    assets_dir: str = field(default="", metadata={"help": "asset folder (default: ~/.cache/qat-lora/assets)"})
+    work_dir: str = field(default="runs/demo", metadata={"help": "where the cache, run and results go"})
+    quant: str = field(default="w3g64", metadata={"help": "quantisation preset of the student"})
+    seq_len: int = field(default=256, metadata={"help": "sequence length for cache, training and eval"})
+    top_k: int = field(default=64, metadata={"help": "teacher log-probs kept per position"})
+    cache_tokens: int = field(default=56_000, metadata={"help": "teacher tokens to cache (train + held-out)"})
+    eval_tokens: int = field(default=8_192, metadata={"help": "Wikipedia tokens for perplexity"})
+    max_steps: int = field(default=50, metadata={"help": "optimizer steps (one pass over the cached tokens)"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per step"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+
+    def __post_init__(self) -> None:
+        get_preset(self.quant)
+
+
+@dataclass
+class CacheBuildConfig:
+    teacher: str = field(default="", metadata={"help": "teacher: transformers folder, .gguf file or hub name"})
+    data: list[str] = field(default_factory=list, metadata={"help": "text files or folders (.txt, .jsonl, datasets on disk)"})
+    out: str = field(default="caches/kd", metadata={"help": "output folder"})
+    seq_len: int = field(default=512, metadata={"help": "tokens per packed sequence"})
+    encoding: str = field(default="topk", metadata={"help": "topk (top-K + tail) or sampled (RS-KD)"})
+    top_k: int = field(default=64, metadata={"help": "topk: teacher log-probs kept per position"})
+    value_bits: int = field(default=16, metadata={"help": "topk: 32 (exact), 16 or 8 bits per log-prob"})
+    num_samples: int = field(default=50, metadata={"help": "sampled: draws per position"})
+    max_tokens: int = field(default=1_000_000, metadata={"help": "token budget over both splits (0 = all)"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per teacher forward"})
+    holdout_fraction: float = field(default=0.02, metadata={"help": "fraction of documents held out, by hash"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+    text_field: str = field(default="text", metadata={"help": "text key of .jsonl records and datasets"})
+    chat: bool = field(default=False, metadata={"help": "records hold `messages`: render them with the chat template"})
+    shard_sequences: int = field(default=1024, metadata={"help": "sequences per shard file"})
+    seed: int = field(default=0, metadata={"help": "sampled: seed of the draws"})
+    rank: int = field(default=0, metadata={"help": "this builder's rank (builds sequences = rank mod world size)"})
+    world_size: int = field(default=1, metadata={"help": "number of builders (torchrun: from RANK, WORLD_SIZE)"})
+    resume: bool = field(default=False, metadata={"help": "continue an interrupted build in --out"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing cache in --out"})
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "shard_sequences", "world_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        if self.max_tokens < 0:
+            raise ValueError(f"--max-tokens {self.max_tokens}: must be >= 0 (0 = the whole corpus)")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"--rank {self.rank}: must be in [0, --world-size {self.world_size})")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite exclude each other")
+        self.target_encoding()
+
+    def target_encoding(self) -> TopKEncoding | SampledEncoding:
+        if self.encoding == "topk":
+            return TopKEncoding(self.top_k, self.value_bits)
+        if self.encoding == "sampled":
+            return SampledEncoding(self.num_samples)
+        raise ValueError(f"--encoding {self.encoding!r}: choose topk or sampled")
+
+    def fingerprint(self) -> str:
+        """What must match for --resume to continue a build (everything but resume/overwrite/device)."""
+        args = {k: v for k, v in asdict(self).items() if k not in ("resume", "overwrite", "device")}
+        return hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
+
+
+def to_argv(cfg) -> list[str]:
+    """The command-line flags that rebuild `cfg` (the inverse of the CLI's parsing; defaults left out)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if value == default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return argv

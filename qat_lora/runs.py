@@ -1,0 +1,154 @@
+"""A run folder: its file names, its metrics log and the stop signal that ends a run cleanly.
+
+    runs/w3g64/
+        config.json            the TrainConfig (+ quant config, trainable count, chips), written at step 0
+        metrics.jsonl          one JSON record per logged step / evaluation
+        adapter/               LoRA adapters, standard PEFT files (presets with LoRA)
+        quantizer.safetensors  trained scales / zeros / codebooks (presets with QAT)
+        checkpoint-N/          resumable training state (see checkpoint.py)
+        best/                  artefacts of the best held-out evaluation
+        summary.json           written when the run finishes
+        compile_report.json    XLA only: graphs compiled, recompiles, CPU fallbacks
+        tensorboard/           --tensorboard only
+
+No torch here: `qat-lora plot` reads a run without importing the trainer or any device runtime.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+from pathlib import Path
+
+ADAPTER_DIR = "adapter"
+QUANTIZER_FILE = "quantizer.safetensors"
+BEST_DIR = "best"
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+COMPILE_REPORT_FILE = "compile_report.json"
+TENSORBOARD_DIR = "tensorboard"
+CHECKPOINT_PREFIX = "checkpoint-"
+# Everything a run writes at the top of its folder (checkpoints are matched by CHECKPOINT_PREFIX).
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPTER_DIR, QUANTIZER_FILE, BEST_DIR,
+             TENSORBOARD_DIR)
+
+
+def read_config(run_dir: str | Path) -> dict | None:
+    """The run's config.json, or None when the folder holds no run."""
+    path = Path(run_dir) / CONFIG_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_summary(run_dir: str | Path) -> dict | None:
+    """The summary of a finished run, or None while it is unfinished."""
+    path = Path(run_dir) / SUMMARY_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """(training records, eval records) of a run's metrics JSONL; a line cut by a kill is skipped.
+
+    Raises:
+        ValueError: the folder has no metrics file.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        raise ValueError(f"{path} not found; pass a run folder written by `qat-lora train`")
+    records = _read_jsonl(path)
+    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by SIGKILL
+            continue
+    return records
+
+
+class MetricsLog:
+    """The run's metrics: one JSON record per line in `metrics.jsonl`, and optionally TensorBoard scalars.
+
+    A resumed run first drops the records after its checkpoint (they are redone, so the file ends as an
+    uninterrupted run's; TensorBoard purges the same steps).
+    """
+
+    def __init__(self, path: Path, resumed_step: int, tensorboard_dir: Path | None = None):
+        self._file = _open_jsonl(path, resumed_step)
+        self._tensorboard = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(tensorboard_dir), purge_step=resumed_step or None)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            group = "eval" if "eval_loss" in record else "train"
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(f"{group}/{key}", value, record["step"])
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _open_jsonl(path: Path, resumed_step: int):
+    if resumed_step == 0 or not path.exists():
+        return path.open("w")
+    kept = [json.dumps(r) for r in _read_jsonl(path) if r.get("step", math.inf) <= resumed_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return path.open("a")
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGINT so the loop can finish its step, checkpoint and exit (preemptible TPUs)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def prepare_run_dir(out: str | Path, *, overwrite: bool, resume_auto: bool, resuming: bool) -> Path:
+    """Create the run folder. A resumed run keeps everything; with --overwrite (or --resume auto and nothing
+    to resume) only what a previous run wrote there is removed.
+
+    Raises:
+        ValueError: a run already exists in `out` and neither flag allows replacing it.
+    """
+    import shutil
+
+    out = Path(out)
+    if (out / CONFIG_FILE).exists() and not resuming:
+        if not (overwrite or resume_auto):
+            raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
+                             "another folder")
+        for path in [out / name for name in RUN_FILES] + list(out.glob(CHECKPOINT_PREFIX + "*")) + \
+                list(out.glob(f".{CHECKPOINT_PREFIX}*")):
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -1,0 +1,146 @@
+"""The quantised + LoRA student: build it from a `StudentSpec`, choose what trains, save and load what trained.
+
+    spec = StudentSpec(model="path/to/model", quant="w3g64")
+    student = build_student(spec)                       # fake-quantised, initialised as the preset says
+    model = make_trainable_(student, "recovery-lora")   # PEFT LoRA over the frozen quantised base
+    save_artifacts(model, "recovery-lora", run_dir)     # adapter/ (PEFT files) and/or quantizer.safetensors
+    model = load_student(spec, adapter="run/adapter")   # what eval and export use
+
+Train, eval, export, the demo and the benchmarks all build students here, never through the trainer.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import device as dev, models
+from .config import TRAIN_PRESETS, StudentSpec
+from .lora import add_recovery_lora_, load_recovery_lora
+from .quant import FakeQuantLinear, get_preset, quantize_, quantizer_parameters
+from .runs import ADAPTER_DIR, QUANTIZER_FILE
+
+
+def resolve_attn(attn_implementation: str, device: torch.device) -> str:
+    """The attention kernel for `device`: sdpa calls .item() and recompiles on XLA (DESIGN §6), so auto
+    means eager there and sdpa elsewhere."""
+    if attn_implementation == "auto":
+        return "eager" if dev.is_xla(device) else "sdpa"
+    return attn_implementation
+
+
+def build_student(spec: StudentSpec, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Load the full-precision model and fake-quantise it with the spec's preset (initialised as the preset
+    says), then load the spec's trained quantiser, if any. An empty `spec.quant` gives the model unquantised."""
+    model = models.load_causal_lm(spec.model, attn_implementation=attn_implementation)
+    if not spec.quant:
+        return model
+    config = get_preset(spec.quant)
+    if spec.quantizer:  # every quantiser tensor is overwritten: skip the preset's (possibly slow) init search
+        config = replace(config, init="rtn")
+    student = quantize_(model, config)
+    if spec.quantizer:
+        load_quantizer_state_(student, spec.quantizer)
+    return student
+
+
+def load_student(spec: StudentSpec, adapter: str = "", attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Teacher (no quant), PTQ student (quant), or trained student (quant + a qat run's quantizer and/or a
+    recovery adapter), in eval mode: what eval, export and the benchmarks evaluate."""
+    student = build_student(spec, attn_implementation)
+    if adapter:
+        student = load_recovery_lora(student, adapter)
+    return student.eval()
+
+
+def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lora_alpha: float = 32.0):
+    """Freeze everything but what `preset` trains; returns the model to train (a PeftModel with LoRA).
+
+    Raises:
+        ValueError: an unknown preset.
+    """
+    if preset not in TRAIN_PRESETS:
+        raise ValueError(f"--preset {preset!r}: choose one of {', '.join(TRAIN_PRESETS)}")
+    parts = TRAIN_PRESETS[preset]
+    if "lora" in parts:
+        model = add_recovery_lora_(student, r=lora_r, alpha=lora_alpha)  # PEFT freezes the base
+    else:
+        model = student.requires_grad_(False)
+    if "quantizer" in parts:
+        for p in quantizer_parameters(model):
+            p.requires_grad_(True)
+    return model
+
+
+def enable_activation_checkpointing_(model: torch.nn.Module, device: torch.device) -> None:
+    """Recompute each decoder layer in backward with the checkpoint that really recomputes on `device`
+    (XLA would merge a plain recomputation with the forward; DESIGN §6)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=dev.checkpoint_fn(device))
+    base.enable_input_require_grads()  # a reentrant checkpoint passes gradients only to inputs that need them
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Trainable parameters by name, in module order (the optimizer's and the checkpoint's order)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def quantizer_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Quantiser parameters named as in the plain quantised student (`model.layers.0.mlp.up_proj.scale`),
+    whether or not `model` is wrapped by PEFT."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FakeQuantLinear):
+            base = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            out.update({f"{base}.{key}": p for key, p in module.quant_parameters().items()})
+    return out
+
+
+@torch.no_grad()
+def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy a run's `quantizer.safetensors` into a quantised student built with the same --quant.
+
+    Raises:
+        ValueError: a tensor is missing or has another shape (the file belongs to another model or preset).
+    """
+    saved, params = load_file(str(path)), quantizer_state_dict(model)
+    missing = sorted(set(params) - set(saved))
+    if missing:
+        raise ValueError(f"{path}: no value for {missing[0]} ({len(missing)} missing); build the student with the "
+                         "run's --model and --quant")
+    for name, p in params.items():
+        if saved[name].shape != p.shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(saved[name].shape)}, the student's is "
+                             f"{tuple(p.shape)}; build the student with the run's --model and --quant")
+        p.copy_(saved[name].to(p.device, p.dtype))
+
+
+def save_adapter(model, path: Path) -> None:
+    """Write the LoRA adapters as standard PEFT files, atomically (temp folder, then rename)."""
+    from peft import get_peft_model_state_dict
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = dev.state_dict_to_cpu(get_peft_model_state_dict(model))
+    model.save_pretrained(str(tmp), state_dict=state)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def save_artifacts(model, preset: str, folder: Path) -> dict[str, str | None]:
+    """What the preset trained, in standard files: `adapter/` (PEFT) and/or `quantizer.safetensors`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, str | None] = {"adapter": None, "quantizer": None}
+    if "lora" in TRAIN_PRESETS[preset]:
+        save_adapter(model, folder / ADAPTER_DIR)
+        paths["adapter"] = str(folder / ADAPTER_DIR)
+    if "quantizer" in TRAIN_PRESETS[preset]:
+        tmp = folder / (QUANTIZER_FILE + ".tmp")
+        save_file({k: v.detach().cpu().contiguous() for k, v in quantizer_state_dict(model).items()}, str(tmp))
+        os.replace(tmp, folder / QUANTIZER_FILE)
+        paths["quantizer"] = str(folder / QUANTIZER_FILE)
+    return paths
