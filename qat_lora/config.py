@@ -18,11 +18,13 @@ from .loss import KDLossConfig
 from .quant import get_preset
 
 # What each training preset trains: LoRA adapters over the frozen quantised base, the quantiser's own
-# parameters (scales, zeros, codebooks, low-rank scale factors; LSQ-style), or both.
+# parameters (scales, zeros, codebooks, low-rank scale factors; LSQ-style), the latent weights themselves
+# (straight-through estimator: the codes move; ParetoQ / EfficientQAT), or a combination.
 TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
     "recovery-lora": ("lora",),
     "qat": ("quantizer",),
     "qat+lora": ("lora", "quantizer"),
+    "weight-qat": ("weights", "quantizer"),
 }
 PARALLEL_MODES = ("auto", "processes", "spmd")
 
@@ -57,7 +59,8 @@ class StudentSpec:
 class TrainConfig(StudentSpec):
     cache: str = field(default="caches/kd", metadata={"help": "KD cache folder from build-cache"})
     preset: str = field(default="recovery-lora", metadata={"help": "what trains: recovery-lora, qat (quantiser "
-                                                                    "scales/zeros) or qat+lora"})
+                                                                    "scales/zeros), qat+lora, or weight-qat (the "
+                                                                    "latent weights and the quantiser)"})
     out: str = field(default="runs/recovery", metadata={"help": "run folder (adapters, metrics, config)"})
     max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=4, metadata={"help": "sequences per micro-step (per chip)"})
@@ -65,7 +68,9 @@ class TrainConfig(StudentSpec):
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine floor as a fraction of --lr"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (never applied to latent weights)"})
+    weight_lr_ratio: float = field(default=0.1, metadata={"help": "weight-qat: learning rate of the latent weights "
+                                                                  "as a fraction of --lr"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
@@ -110,6 +115,8 @@ class TrainConfig(StudentSpec):
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0 (0 = off)")
         if not self.lr > 0:  # also refuses nan
             raise ValueError(f"--lr {self.lr}: must be positive")
+        if not self.weight_lr_ratio > 0:
+            raise ValueError(f"--weight-lr-ratio {self.weight_lr_ratio}: must be positive")
         if not 0.0 < self.min_lr_ratio <= 1.0:
             # A floor of exactly 0 would also make the last step's lr a special XLA scalar (a recompile).
             raise ValueError(f"--min-lr-ratio {self.min_lr_ratio}: must be in (0, 1]")
@@ -246,15 +253,20 @@ class CacheBuildConfig:
         return hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
 
 
+def field_defaults(cls) -> dict:
+    """{field name: default} of a config dataclass: what a config saved before a field existed meant by it."""
+    return {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            for f in dataclasses.fields(cls)}
+
+
 def to_argv(cfg) -> list[str]:
     """The command-line flags that rebuild `cfg` (the inverse of the CLI's parsing; defaults left out)."""
     argv: list[str] = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    for name, default in field_defaults(type(cfg)).items():
+        value = getattr(cfg, name)
         if value == default:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag)
         elif isinstance(value, list):

@@ -308,6 +308,13 @@ class FakeQuantLinear(nn.Linear):
             _, q = _lut_lookup(w / s, quant_init.snap_fp16(self.codebook))
         return q.reshape(self.out_features, self.in_features).to(torch.uint8)
 
+    @torch.no_grad()
+    def dequantize_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """The [out, in] weight that integer `codes` stand for under this layer's quantiser (the inverse of
+        `codes()`): set as the latent weight, it makes `quantized_weight()` equal it exactly."""
+        parts = {k: p.detach() for k, p in self.quant_parameters().items()}
+        return dequantize(codes, self.cfg, self.group_size, **parts).to(self.weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.quantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 

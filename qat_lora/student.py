@@ -24,6 +24,8 @@ from .lora import add_recovery_lora_, load_recovery_lora
 from .quant import FakeQuantLinear, get_preset, quantize_, quantizer_parameters
 from .runs import ADAPTER_DIR, QUANTIZER_FILE
 
+CODES_KEY = "codes"  # a quantiser state's integer codes of a layer whose weights moved
+
 
 def resolve_attn(attn_implementation: str, device: torch.device) -> str:
     """The attention kernel for `device`: sdpa calls .item() and recompiles on XLA (DESIGN §6), so auto
@@ -73,7 +75,15 @@ def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lor
     if "quantizer" in parts:
         for p in quantizer_parameters(model):
             p.requires_grad_(True)
+    if "weights" in parts:  # the latent weights: the STE lets their codes move (fp32 + grad + 2 Adam states)
+        for p in latent_weights(model):
+            p.requires_grad_(True)
     return model
+
+
+def latent_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The latent full-precision weight of every fake-quantised linear."""
+    return [m.weight for m in model.modules() if isinstance(m, FakeQuantLinear)]
 
 
 def enable_activation_checkpointing_(model: torch.nn.Module, device: torch.device) -> None:
@@ -89,14 +99,17 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def quantizer_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def quantizer_state_dict(model: torch.nn.Module, codes: bool = False) -> dict[str, torch.Tensor]:
     """Quantiser parameters named as in the plain quantised student (`model.layers.0.mlp.up_proj.scale`),
-    whether or not `model` is wrapped by PEFT."""
+    whether or not `model` is wrapped by PEFT; with `codes`, also each layer's integer codes
+    (`....codes`, uint8 [out, in]): the state of a student whose weights moved (GPTQ, weight-qat), on the grid."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, FakeQuantLinear):
             base = name.removeprefix("base_model.model.").replace(".base_layer", "")
             out.update({f"{base}.{key}": p for key, p in module.quant_parameters().items()})
+            if codes:
+                out[f"{base}.{CODES_KEY}"] = module.codes()
     return out
 
 
@@ -117,6 +130,14 @@ def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
             raise ValueError(f"{path}: {name} has shape {tuple(saved[name].shape)}, the student's is "
                              f"{tuple(p.shape)}; build the student with the run's --model and --quant")
         p.copy_(saved[name].to(p.device, p.dtype))
+    for name, module in model.named_modules():  # moved weights: the latent weight becomes its on-grid value
+        key = f"{name.removeprefix('base_model.model.').replace('.base_layer', '')}.{CODES_KEY}"
+        if isinstance(module, FakeQuantLinear) and key in saved:
+            codes = saved[key]
+            if codes.shape != module.weight.shape:
+                raise ValueError(f"{path}: {key} has shape {tuple(codes.shape)}, the student's weight is "
+                                 f"{tuple(module.weight.shape)}; build the student with the run's --model")
+            module.weight.copy_(module.dequantize_codes(codes.to(module.weight.device)))
 
 
 def save_adapter(model, path: Path) -> None:
@@ -138,9 +159,15 @@ def save_artifacts(model, preset: str, folder: Path) -> dict[str, str | None]:
     if "lora" in TRAIN_PRESETS[preset]:
         save_adapter(model, folder / ADAPTER_DIR)
         paths["adapter"] = str(folder / ADAPTER_DIR)
-    if "quantizer" in TRAIN_PRESETS[preset]:
-        tmp = folder / (QUANTIZER_FILE + ".tmp")
-        save_file({k: v.detach().cpu().contiguous() for k, v in quantizer_state_dict(model).items()}, str(tmp))
-        os.replace(tmp, folder / QUANTIZER_FILE)
+    if "quantizer" in TRAIN_PRESETS[preset] or "weights" in TRAIN_PRESETS[preset]:
+        save_quantizer_state(model, folder / QUANTIZER_FILE, codes="weights" in TRAIN_PRESETS[preset])
         paths["quantizer"] = str(folder / QUANTIZER_FILE)
     return paths
+
+
+def save_quantizer_state(model: torch.nn.Module, path: Path, codes: bool = False) -> None:
+    """Write `quantizer_state_dict(model, codes)` to `path` atomically (temp name, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in quantizer_state_dict(model, codes).items()}, str(tmp))
+    os.replace(tmp, path)

@@ -32,14 +32,14 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt, device as dev, models, runs
 from .cache import KDCache, batches_per_epoch, endless_batches
-from .config import TrainConfig
+from .config import TrainConfig, field_defaults
 from .distributed import Backend, init_backend
 from .files import atomic_write_json
 from .loss import KDLossConfig, forward_loss
 from .metrics import kd_metrics
 from .quant import get_preset, quant_config_dict, quantized_weights_once_per_step
-from .student import (build_student, enable_activation_checkpointing_, make_trainable_, resolve_attn,
-                      save_artifacts, trainable_parameters)
+from .student import (build_student, enable_activation_checkpointing_, latent_weights, make_trainable_,
+                      resolve_attn, save_artifacts, trainable_parameters)
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -107,7 +107,7 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
         enable_activation_checkpointing_(model, device)
     model.train()
     params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = _optimizer(cfg, model, params)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     tokens_per_step = _batch(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
@@ -127,6 +127,16 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
         f"{sum(p.numel() for p in params.values()):,} trainable parameters, {cache.num_sequences('train')} "
         f"training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step")
     return run
+
+
+def _optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW; trained latent weights (weight-qat) get --lr x --weight-lr-ratio and no weight decay: decay would
+    pull them towards zero, off the grid the quantiser was fitted to."""
+    weights = {id(p) for p in latent_weights(model) if p.requires_grad}
+    groups = [{"params": [p for p in params.values() if id(p) not in weights]},
+              {"params": [p for p in params.values() if id(p) in weights], "lr": cfg.lr * cfg.weight_lr_ratio,
+               "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _save_checkpoint(run: _Run) -> Path | None:
@@ -153,7 +163,7 @@ def _save_checkpoint(run: _Run) -> Path | None:
 def _restore(run: _Run, path: Path) -> None:
     """Load parameters, optimizer, scheduler, this rank's RNG and the step from a checkpoint (DESIGN §6)."""
     tensors, state = ckpt.load_checkpoint(path)
-    ckpt.check_resumable(state["config"], asdict(run.cfg), path)
+    ckpt.check_resumable({**field_defaults(TrainConfig), **state["config"]}, asdict(run.cfg), path)
     chips = run.backend.world_size * run.backend.data_parallel
     if state["world_size"] != chips:
         raise ValueError(f"--resume: {path.name} was written on {state['world_size']} chips, this run has {chips}; "
@@ -261,6 +271,7 @@ def _finished_run(cfg: TrainConfig, log: Callable[[str], None]) -> dict | None:
     if summary is None or summary["steps"] < cfg.max_steps:
         return None
     saved = runs.read_config(cfg.out) or {}
+    saved = {**field_defaults(TrainConfig), **saved}  # a field added since the run was saved: its default
     ckpt.check_resumable({k: saved.get(k) for k in asdict(cfg)}, asdict(cfg), Path(cfg.out))
     log(f"{cfg.out} already holds a finished run of {cfg.max_steps} steps; nothing to resume")
     return summary

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from qat_lora import checkpoint as ckpt
 from qat_lora.cache import KDCache, batch_order
@@ -20,8 +20,9 @@ from qat_lora.config import TRAIN_PRESETS, StudentSpec, TrainConfig
 from qat_lora.launch import launch_local
 from qat_lora.metrics import kd_metrics
 from qat_lora.quant import quantizer_parameters
-from qat_lora.student import (build_student, enable_activation_checkpointing_, load_student, make_trainable_,
-                              quantizer_state_dict)
+from qat_lora.student import (build_student, enable_activation_checkpointing_, latent_weights, load_student,
+                              make_trainable_, quantizer_state_dict, save_quantizer_state)
+from qat_lora.train import _optimizer
 from qat_lora.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,11 +54,57 @@ def test_preset_trains_exactly_its_parameters(preset, teacher_dir):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     quant = {n for n, p in model.named_parameters() if any(p is q for q in quantizer_parameters(model))}
     lora = {n for n in dict(model.named_parameters()) if "lora_" in n}
-    assert quant and (lora or preset == "qat")
+    weights = {n for n, p in model.named_parameters() if any(p is w for w in latent_weights(model))}
     parts = TRAIN_PRESETS[preset]
-    expected = (lora if "lora" in parts else set()) | (quant if "quantizer" in parts else set())
+    assert quant and weights and (lora or "lora" not in parts)
+    expected = ((lora if "lora" in parts else set()) | (quant if "quantizer" in parts else set())
+                | (weights if "weights" in parts else set()))
     assert trainable == expected
     assert ("lora" in TRAIN_PRESETS[preset]) == hasattr(model, "peft_config")
+
+
+def test_moved_weights_are_saved_as_codes_and_reload_exactly(teacher_dir, tmp_path):
+    # weight-qat (and GPTQ) move the latent weights: the state file carries the codes, and a student rebuilt
+    # from it (eval, export, a LoRA stage) has exactly the trained Wq, although its latent weights are on-grid.
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), "weight-qat")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in latent_weights(model):
+            w.add_(0.05 * torch.randn(w.shape, generator=generator))
+        for p in quantizer_parameters(model):
+            p.mul_(1.0 + 0.1 * torch.rand(p.shape, generator=generator))
+    path = tmp_path / "quantizer.safetensors"
+    save_quantizer_state(model, path, codes=True)
+    saved = load_file(str(path))
+    assert {k.rsplit(".", 1)[1] for k in saved} == {"scale", "zero", "codes"} and saved[next(
+        k for k in saved if k.endswith(".codes"))].dtype == torch.uint8
+    reloaded = build_student(StudentSpec(str(teacher_dir), "w2g32", str(path)))
+    fresh = build_student(StudentSpec(str(teacher_dir), "w2g32"))
+    trained = {n: m.quantized_weight() for n, m in model.named_modules() if hasattr(m, "quantized_weight")}
+    for name, module in reloaded.named_modules():
+        if hasattr(module, "quantized_weight"):
+            assert torch.equal(module.quantized_weight(), trained[name])
+            assert not torch.equal(module.quantized_weight(), fresh.get_submodule(name).quantized_weight())
+    ids = torch.randint(0, 200, (2, 16), generator=generator)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    bad = tmp_path / "bad.safetensors"
+    save_file({**saved, next(k for k in saved if k.endswith(".codes")): torch.zeros(3, 3, dtype=torch.uint8)},
+              str(bad))
+    with pytest.raises(ValueError, match="codes has shape"):
+        build_student(StudentSpec(str(teacher_dir), "w2g32", str(bad)))
+
+
+def test_weight_qat_latent_weights_get_their_own_learning_rate(teacher_dir, cache_dir, tmp_path):
+    cfg = _cfg(teacher_dir, cache_dir, tmp_path, preset="weight-qat", lr=1e-3, weight_lr_ratio=0.25, weight_decay=0.1)
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), "weight-qat")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    quant_group, weight_group = _optimizer(cfg, model, params).param_groups
+    assert {id(p) for p in weight_group["params"]} == {id(w) for w in latent_weights(model)}
+    assert weight_group["lr"] == 2.5e-4 and weight_group["weight_decay"] == 0.0
+    assert quant_group["lr"] == 1e-3 and quant_group["weight_decay"] == 0.1
+    with pytest.raises(ValueError, match="--weight-lr-ratio"):
+        _cfg(teacher_dir, cache_dir, tmp_path, weight_lr_ratio=0.0)
 
 
 def _heldout(teacher_dir, cache_dir, run: Path | None, quantizer: Path | None = None) -> float:
@@ -90,11 +137,12 @@ def test_each_preset_lowers_heldout_kd_loss_and_saves_what_it_trained(preset, te
     steps = 40 if preset == "qat" else 12  # scales alone move the loss less per step than adapters do
     summary = train(_cfg(teacher_dir, cache_dir, run, preset=preset, max_steps=steps), **QUIET)
     assert (run / "adapter" / "adapter_model.safetensors").exists() == ("lora" in TRAIN_PRESETS[preset])
-    assert (run / "quantizer.safetensors").exists() == ("quantizer" in TRAIN_PRESETS[preset])
+    parts = TRAIN_PRESETS[preset]
+    assert (run / "quantizer.safetensors").exists() == ("quantizer" in parts or "weights" in parts)
     assert summary["preset"] == preset
-    if "quantizer" in TRAIN_PRESETS[preset]:
+    if "quantizer" in parts:
         saved = load_file(str(run / "quantizer.safetensors"))
-        initial = quantizer_state_dict(build_student(StudentSpec(str(teacher_dir), "w2g32")))
+        initial = quantizer_state_dict(build_student(StudentSpec(str(teacher_dir), "w2g32")), codes="weights" in parts)
         assert saved.keys() == initial.keys()
         assert any(not torch.equal(saved[k], initial[k]) for k in saved)
     assert _heldout(teacher_dir, cache_dir, run) < _heldout(teacher_dir, cache_dir, None) - 0.005
