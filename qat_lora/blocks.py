@@ -1,0 +1,134 @@
+"""Decoder-block plumbing: capture what enters the first decoder layer, then run layers one at a time.
+
+Used by sequential GPTQ (`gptq.gptq_`) and meant for block-wise reconstruction (EfficientQAT Block-AP,
+BRECQ; DESIGN §8): both process one decoder block at a time on the hidden states coming out of the
+previous one, so only one block's activations are live.
+
+    inputs = capture_block_inputs(model, batches)       # embeddings entering layer 0, + the layer kwargs
+    for layer in decoder_layers(model):
+        inputs = inputs.with_hidden(run_block(layer, inputs))
+
+Memory: the hidden states are kept on the CPU in float32, len(batches) x B x L x hidden x 4 bytes (32
+sequences of 512 tokens at hidden 576: 38 MB; at hidden 2048: 134 MB); `run_block` returns as many again.
+The per-batch layer kwargs (rotary cos/sin, attention mask) stay on the model's device.
+Works for the Llama / Qwen2 / Qwen3 families of transformers 5.x (whose decoder layers take the hidden states
+first and everything else as keyword arguments), bare or wrapped by PEFT.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook on layer 0: nothing after the embeddings needs to run."""
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """What each recorded batch feeds a decoder layer.
+
+    Attributes:
+        hidden: per batch, the hidden states [B, L, hidden], float32 on the CPU.
+        kwargs: per batch, the keyword arguments the decoder passes every layer (position_embeddings,
+            attention_mask, position_ids, ...), as captured.
+    """
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict]
+
+    def with_hidden(self, hidden: list[torch.Tensor]) -> "BlockInputs":
+        """The same layer kwargs with new hidden states (the outputs of the previous layer)."""
+        if len(hidden) != len(self.hidden):
+            raise ValueError(f"with_hidden: got {len(hidden)} batches of hidden states for {len(self.hidden)} "
+                             "batches of layer kwargs; pass one tensor per recorded batch")
+        return replace(self, hidden=list(hidden))
+
+    def num_tokens(self) -> int:
+        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    # PEFT's PeftModel wraps the transformers model; its layers are reachable through get_base_model().
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM (model.model.layers, or get_decoder().layers), in order.
+
+    Raises:
+        ValueError: the model has no recognisable list of decoder layers.
+    """
+    base = _base_model(model)
+    inner = getattr(base, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None and hasattr(base, "get_decoder"):
+        layers = getattr(base.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(base).__name__}: no decoder layers found (expected model.model.layers or "
+                         "get_decoder().layers, as in Llama / Qwen2 / Qwen3)")
+    return list(layers)
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _dtype(module: nn.Module) -> torch.dtype:
+    return next(p for p in module.parameters() if p.is_floating_point()).dtype
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, input_ids_batches: Iterable[torch.Tensor]) -> BlockInputs:
+    """Run `model` on each batch only as far as its first decoder layer and record what that layer receives.
+
+    Args:
+        model: a transformers causal LM (Llama / Qwen2 / Qwen3 family), possibly a PEFT model.
+        input_ids_batches: input_ids tensors [B, L] (moved to the model's device here).
+    Returns:
+        BlockInputs with one entry per batch: hidden [B, L, hidden] float32 CPU, and the layer kwargs.
+    """
+    layer0 = decoder_layers(model)[0]
+    base = _base_model(model)
+    hidden: list[torch.Tensor] = []
+    kwargs_list: list[dict] = []
+
+    def record(module, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        hidden.append(h.detach().float().cpu())
+        kwargs_list.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        raise _StopForward
+
+    handle = layer0.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        for input_ids in input_ids_batches:
+            try:
+                # use_cache=False: no KV cache is built, so the recorded kwargs carry past_key_values=None
+                base(input_ids=input_ids.to(_device(base)), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return BlockInputs(hidden, kwargs_list)
+
+
+@torch.no_grad()
+def run_block(layer: nn.Module, inputs: BlockInputs) -> list[torch.Tensor]:
+    """Run one decoder layer over every recorded batch.
+
+    Args:
+        layer: a decoder layer (returning a tensor, or a tuple whose first element is the hidden states).
+        inputs: its inputs; hidden states are moved to the layer's device and dtype per batch.
+    Returns:
+        per batch, the layer's output hidden states [B, L, hidden], float32 on the CPU.
+    """
+    device, dtype = _device(layer), _dtype(layer)
+    outputs = []
+    for h, kwargs in zip(inputs.hidden, inputs.kwargs):
+        out = layer(h.to(device=device, dtype=dtype), **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        outputs.append(out.float().cpu())
+    return outputs

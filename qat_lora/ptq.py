@@ -1,0 +1,84 @@
+"""`qat-lora quantize`: the initialisation stage, post-training quantisation with a data-aware init.
+
+    qat-lora quantize --model M --quant w3g64 --init gptq --cache caches/kd --out runs/w3g64-init
+    qat-lora train --model M --quant w3g64 --quantizer runs/w3g64-init/quantizer.safetensors ...
+
+The preset's own init (round-to-nearest, MSE clipping or k-means) first; then, calibrated on the cache's
+training split (never the evaluation text): `act` re-fits each group's clipping with the error weighted by
+the mean squared activation of its input columns (AWQ-style), `gptq` rounds the weights column by column,
+pushing each rounding error onto the columns not yet quantised (Frantar et al., 2022; DESIGN §8). The result
+is a quantiser state (and, for gptq, the moved weights as integer codes) in `quantizer.safetensors`, which
+train, eval and export load with `--quantizer`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import models
+from .cache import KDCache
+from .calibration import activation_importance
+from .config import QuantizeConfig
+from .files import atomic_write_json
+from .gptq import gptq_
+from .quant import get_preset, quant_config_dict, quantize_
+from .runs import QUANTIZER_FILE
+from .student import save_quantizer_state
+
+REPORT_FILE = "quantize.json"
+
+
+def calibration_batches(cache_dir: str, sequences: int, batch_size: int) -> list[torch.Tensor]:
+    """The first `sequences` training sequences of a KD cache as input_ids batches [B, L] (fixed order)."""
+    cache = KDCache(cache_dir)
+    available = cache.num_sequences("train")
+    if available < sequences:
+        raise ValueError(f"--calib-sequences {sequences}: the cache {cache_dir} holds {available} training "
+                         "sequences; lower it or build a larger cache")
+    out, taken = [], 0
+    for batch in cache.batches("train", batch_size, shuffle=False, drop_last=False):
+        keep = min(batch_size, sequences - taken)
+        out.append(batch["input_ids"][:keep])
+        taken += keep
+        if taken >= sequences:
+            break
+    return out
+
+
+def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
+    """Build the initialised student and write its state; returns the report (also `out/quantize.json`).
+
+    Raises:
+        ValueError: an existing init in --out without --overwrite, a cache from another tokenizer, too few
+            calibration sequences.
+    """
+    out = Path(cfg.out)
+    if (out / QUANTIZER_FILE).exists() and not cfg.overwrite:
+        raise ValueError(f"--out {out}: holds an init already; pass --overwrite or choose another folder")
+    batches = calibration_batches(cfg.cache, cfg.calib_sequences, cfg.batch_size) if cfg.init != "none" else []
+    model = models.load_causal_lm(cfg.model)
+    if cfg.cache:
+        KDCache(cfg.cache).check_compatible(models.load_tokenizer(cfg.model), models.vocab_size(model),
+                                            models.max_positions(model))
+    started = time.perf_counter()
+    preset = get_preset(cfg.quant)
+    report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(preset)}
+    if cfg.init == "act":
+        if preset.init != "mse":  # the activation weights act through the clipping search / k-means
+            preset = replace(preset, init="mse")
+        quantize_(model, preset, importance=activation_importance(model, batches, preset))
+    else:
+        quantize_(model, preset)
+    if cfg.init == "gptq":
+        report["gptq"] = gptq_(model, batches, damp=cfg.damp, act_order=cfg.act_order, log=log)
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    save_quantizer_state(model, out / QUANTIZER_FILE, codes=cfg.init == "gptq")
+    atomic_write_json(out / REPORT_FILE, report)
+    log(f"{cfg.quant} + {cfg.init} init in {report['seconds']:.0f} s: {out / QUANTIZER_FILE}")
+    return report
+
+

@@ -1,0 +1,91 @@
+"""`qat-lora quantize`: data-aware inits write a student state that train, eval and export load as they are."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qat_lora.cache import KDCache
+from qat_lora.cli import main
+from qat_lora.config import QuantizeConfig, StudentSpec, TrainConfig
+from qat_lora.metrics import kd_metrics
+from qat_lora.ptq import quantize
+from qat_lora.quant import FakeQuantLinear
+from qat_lora.student import build_student
+from qat_lora.train import train
+
+QUIET = dict(log=lambda _: None)
+
+
+def _quantize(teacher_dir, cache_dir, out, **kw) -> dict:
+    cfg = dict(model=str(teacher_dir), quant="w2g32", cache=str(cache_dir), out=str(out), calib_sequences=32)
+    return quantize(QuantizeConfig(**{**cfg, **kw}), **QUIET)
+
+
+def _heldout_soft_ce(student, cache_dir) -> float:
+    return kd_metrics(student.eval(), KDCache(cache_dir), 8, torch.device("cpu"))["kd_soft_ce"]
+
+
+def test_gptq_init_writes_codes_that_reload_on_the_grid_and_beat_rtn(teacher_dir, cache_dir, tmp_path):
+    report = _quantize(teacher_dir, cache_dir, tmp_path / "gptq", init="gptq")
+    layers = report["gptq"]["layers"]
+    assert layers and all(e["gptq_err"] <= e["init_err"] + 1e-6 for e in layers.values())
+    saved = load_file(str(tmp_path / "gptq" / "quantizer.safetensors"))
+    assert any(k.endswith(".codes") for k in saved)
+    student = build_student(StudentSpec(str(teacher_dir), "w2g32", str(tmp_path / "gptq" / "quantizer.safetensors")))
+    for name, module in student.named_modules():
+        if isinstance(module, FakeQuantLinear):
+            assert torch.equal(module.codes(), saved[f"{name}.codes"])  # the weights sit exactly on their codes
+            assert torch.equal(module.weight, module.quantized_weight())
+    ptq = build_student(StudentSpec(str(teacher_dir), "w2g32"))
+    assert _heldout_soft_ce(student, cache_dir) < _heldout_soft_ce(ptq, cache_dir)
+    on_disk = json.loads((tmp_path / "gptq" / "quantize.json").read_text())
+    assert on_disk["config"]["init"] == "gptq" and on_disk["seconds"] > 0
+
+
+def test_training_continues_from_a_gptq_init(teacher_dir, cache_dir, tmp_path):
+    _quantize(teacher_dir, cache_dir, tmp_path / "init", init="gptq")
+    init = str(tmp_path / "init" / "quantizer.safetensors")
+    summary = train(TrainConfig(model=str(teacher_dir), cache=str(cache_dir), quant="w2g32", quantizer=init,
+                                preset="weight-qat", out=str(tmp_path / "run"), max_steps=3, batch_size=4,
+                                lr=1e-3, warmup_steps=1, device="cpu"), **QUIET)
+    trained = build_student(StudentSpec(str(teacher_dir), "w2g32", summary["quantizer"]))
+    start = build_student(StudentSpec(str(teacher_dir), "w2g32", init))
+    assert all(torch.isfinite(p).all() for p in trained.parameters())
+    assert _heldout_soft_ce(trained, cache_dir) < _heldout_soft_ce(start, cache_dir)
+
+
+def test_act_init_keeps_weights_and_needs_no_codes(teacher_dir, cache_dir, tmp_path):
+    _quantize(teacher_dir, cache_dir, tmp_path / "act", init="act")
+    saved = load_file(str(tmp_path / "act" / "quantizer.safetensors"))
+    assert saved and not any(k.endswith(".codes") for k in saved)
+    rtn = build_student(StudentSpec(str(teacher_dir), "w2g32"))
+    act = build_student(StudentSpec(str(teacher_dir), "w2g32", str(tmp_path / "act" / "quantizer.safetensors")))
+    assert any(not torch.equal(a.scale, r.scale) for a, r in zip(
+        (m for m in act.modules() if isinstance(m, FakeQuantLinear)),
+        (m for m in rtn.modules() if isinstance(m, FakeQuantLinear))))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--init", "gptq"], "--init gptq needs --cache"),
+    (["--init", "hessian"], "--init 'hessian': choose one of"),
+    (["--cache", "CACHE", "--calib-sequences", "100000"], "--calib-sequences 100000: the cache"),
+    (["--cache", "CACHE", "--damp", "0"], "--damp 0.0: must be in (0, 1)"),
+    (["--cache", "CACHE", "--quantizer", "x.safetensors"], "--quantizer: quantize builds a new init"),
+])
+def test_bad_flags_are_one_line_errors(flags, message, teacher_dir, cache_dir, tmp_path, capsys):
+    argv = ["quantize", "--model", str(teacher_dir), "--quant", "w2g32", "--out", str(tmp_path / "o"),
+            *[str(cache_dir) if f == "CACHE" else f for f in flags]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qat-lora quantize: error: " + message)
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_init_is_not_overwritten_silently(teacher_dir, cache_dir, tmp_path):
+    _quantize(teacher_dir, cache_dir, tmp_path / "i", init="none")
+    with pytest.raises(ValueError, match="holds an init already; pass --overwrite"):
+        _quantize(teacher_dir, cache_dir, tmp_path / "i", init="none")
+    _quantize(teacher_dir, cache_dir, tmp_path / "i", init="none", overwrite=True)
