@@ -7,12 +7,19 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
     teacher                the full-precision model
     ptq-rtn, ptq-init      post-training quantisation: round-to-nearest (uniform codebook for LUT presets), and the
                            best cheap init (MSE clipping search for int, k-means codebook for LUT)
+    ptq-act, ptq-gptq      data-aware inits (`qat-lora quantize`), calibrated on --calib-sequences of the top-K
+                           cache's training split: activation-weighted clipping; GPTQ (the weights move)
     lora-topk-renorm       recovery LoRA on top-K targets renormalised over the K (tail dropped; the baseline)
     lora-topk-tail         recovery LoRA on top-K + tail targets (the default; the only one swept over --ranks)
     lora-sampled           recovery LoRA on sampled (RS-KD) targets at about the top-K cache's bytes per token
     ce-only                recovery LoRA on plain next-token cross-entropy, no teacher (alpha = 0)
     qat                    the quantiser's own parameters (scales, zeros, codebooks) trained by KD
     qat+lora               qat, then recovery LoRA on top of its quantiser (tokens and wall time of both stages)
+    weight-qat             the latent weights with the quantiser (STE; weights at --weight-lr), saved on the grid
+    weight-qat+lora        weight-qat, then recovery LoRA on top of it
+
+`--start preset|act|gptq` chooses the init every trained row starts from (default: the preset's own): the
+matching PTQ row is run first and its quantiser state file is every training run's `--quantizer`.
 
 Every record holds `gap_recovered` = (ppl_ptq - ppl) / (ppl_ptq - ppl_teacher) and `gap_recovered_nats` (the same
 on NLL), where ptq is the PTQ row the trained student starts from (`start_init`: the preset's own init), the
@@ -56,11 +63,12 @@ from qat_lora import data, device as dev, models
 from qat_lora.assets import Assets, default_assets_dir
 from qat_lora.cache import MANIFEST, KDCache, inspect_cache
 from qat_lora.cache_build import build_cache
-from qat_lora.config import CacheBuildConfig, StudentSpec, TrainConfig
+from qat_lora.config import CacheBuildConfig, QuantizeConfig, StudentSpec, TrainConfig
 from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
 from qat_lora.export import bits_per_weight
 from qat_lora.files import atomic_write_json
 from qat_lora.metrics import kd_metrics, perplexity
+from qat_lora.ptq import quantize
 from qat_lora.quant import PRESETS, get_preset, quant_config_dict, quantize_
 from qat_lora.runs import read_metrics
 from qat_lora.student import build_student, load_student, quantizer_state_dict, resolve_attn
@@ -68,10 +76,15 @@ from qat_lora.train import train
 
 ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override with --teacher/--train-text/--eval-text
 PTQ_INITS = {"ptq-rtn": "rtn", "ptq-init": "mse"}  # QuantConfig.init of each PTQ row
-# TrainConfig fields each trained method sets on top of the shared ones; qat+lora chains qat and lora-topk-tail.
+DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq"}  # QuantizeConfig.init of each data-aware PTQ row
+# TrainConfig fields each trained method sets on top of the shared ones; the `+lora` methods chain their first
+# stage (qat, weight-qat) and lora-topk-tail over its quantiser state.
 TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {}, "lora-sampled": {},
-           "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {}}
-METHODS = ("teacher", *PTQ_INITS, *TRAINED)
+           "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {},
+           "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}}
+CHAINS = {"qat+lora": "qat", "weight-qat+lora": "weight-qat"}  # chained method -> its first stage
+METHODS = ("teacher", *PTQ_INITS, *DATA_INITS, *TRAINED)
+STARTS = ("preset", *DATA_INITS.values())
 HOLDOUT_FRACTION = 0.05  # documents of the training prose held out for the KD metrics (as the demo)
 SAMPLED_TOLERANCE = 0.15  # |sampled / top-K bytes per token - 1| above this is reported as unmatched
 
@@ -109,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     # Scales here are ~0.1 (SmolLM2 w3g64 median 0.12) and Adam moves each by about lr per step: 5e-4 is a
     # <= 0.5 % change per step where LoRA's 2e-3 would be 2 %.
     p.add_argument("--qat-lr", type=float, default=5e-4, help="peak learning rate of the quantiser parameters (qat)")
+    p.add_argument("--weight-lr", type=float, default=2e-3,
+                   help="peak learning rate of the latent weights (weight-qat; grid steps here are ~0.03-0.1)")
+    p.add_argument("--start", default="preset", choices=STARTS,
+                   help="init of every trained row: the preset's own, or a data-aware one (its PTQ row runs first)")
+    p.add_argument("--calib-sequences", type=int, default=128, help="data-aware inits: calibration sequences")
     p.add_argument("--top-k", type=int, default=32, help="top-K cache: teacher log-probs kept per position")
     p.add_argument("--value-bits", type=int, default=16, choices=(32, 16, 8), help="top-K cache: bits per log-prob")
     p.add_argument("--sampled-n", type=int, default=0,
@@ -157,8 +175,11 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-def start_method(preset: str) -> str:
-    """The PTQ row a trained student of `preset` starts from: the preset's own init (what build_student builds)."""
+def start_method(args: argparse.Namespace, preset: str) -> str:
+    """The PTQ row a trained student of `preset` starts from: --start's data-aware init, or the preset's own
+    (what build_student builds)."""
+    if args.start != "preset":
+        return next(m for m, init in DATA_INITS.items() if init == args.start)
     return next(m for m, init in PTQ_INITS.items() if init == get_preset(preset).init)
 
 
@@ -170,11 +191,12 @@ def plan_rows(args: argparse.Namespace) -> list[Row]:
         if set(args.methods) <= {"teacher"}:
             break
         # The start row first: the other rows' gaps are computed against it as soon as they finish.
-        start = start_method(preset)
-        rows += [Row(preset, m) for m in dict.fromkeys((start, *PTQ_INITS)) if m == start or m in args.methods]
+        start = start_method(args, preset)
+        rows += [Row(preset, m) for m in dict.fromkeys((start, *PTQ_INITS, *DATA_INITS))
+                 if m == start or m in args.methods]
         for method in (m for m in TRAINED if m in args.methods):
             ranks = sorted({*args.ranks, args.main_rank}) if method == "lora-topk-tail" else [args.main_rank]
-            rows += [Row(preset, method, None if method == "qat" else r) for r in ranks]
+            rows += [Row(preset, method, None if method in ("qat", "weight-qat") else r) for r in ranks]
     added = [r.label for r in rows if r.method not in args.methods]
     if added:
         print(f"note: also evaluating {', '.join(added)}: the gaps are measured against them")
@@ -268,11 +290,30 @@ def _save_quantizer(model, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def init_quantizer(args: argparse.Namespace, preset: str) -> str:
-    """The preset's initial quantiser (its own init), saved under --work, so that the MSE / k-means search of
-    the 2-bit presets (a minute or more on a CPU) does not run again in every training run and evaluation: they
-    load it through TrainConfig.quantizer. The preset's start PTQ row (run first) saves it; it is computed here
-    only if that file is gone. Empty for round-to-nearest presets (instant)."""
+def data_init_settings(args: argparse.Namespace, preset: str, init: str, caches: dict[str, dict]) -> dict:
+    """Everything that changes a data-aware init (part of its file name and of its rows' keys)."""
+    return {"teacher": args.teacher, "quant": quant_config_dict(get_preset(preset)), "init": init,
+            "calib_sequences": args.calib_sequences, "calib_cache": Path(caches["topk"]["path"]).name}
+
+
+def data_init(args: argparse.Namespace, preset: str, init: str, caches: dict[str, dict]) -> tuple[str, float]:
+    """(the quantiser state file of a data-aware init, the seconds it took), computed once under --work."""
+    folder = Path(args.work) / "init" / f"{preset}-{init}-{_digest(data_init_settings(args, preset, init, caches))}"
+    path = folder / "quantizer.safetensors"
+    if not path.exists():
+        quantize(QuantizeConfig(model=args.teacher, quant=preset, init=init, cache=caches["topk"]["path"],
+                                calib_sequences=args.calib_sequences, batch_size=args.batch_size, out=str(folder),
+                                overwrite=True))
+    return str(path), json.loads((folder / "quantize.json").read_text())["seconds"]
+
+
+def init_quantizer(args: argparse.Namespace, preset: str, caches: dict[str, dict]) -> str:
+    """The quantiser state every trained row of `preset` starts from, saved under --work, so that a data-aware
+    init or the MSE / k-means search of the 2-bit presets (a minute or more on a CPU) does not run again in every
+    training run and evaluation: they load it through TrainConfig.quantizer. The preset's start PTQ row (run
+    first) saves it; it is computed here only if that file is gone. Empty for round-to-nearest presets."""
+    if args.start != "preset":
+        return data_init(args, preset, args.start, caches)[0]
     if get_preset(preset).init == "rtn":
         return ""
     path = _init_quantizer_path(args, preset)
@@ -283,17 +324,20 @@ def init_quantizer(args: argparse.Namespace, preset: str) -> str:
 
 def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) -> list[dict]:
     """TrainConfig fields of each training stage of a row, without `out` and `device` (neither changes the
-    numbers, so neither is in a digest); qat+lora's second stage starts from the first's quantizer.safetensors."""
-    if row.method == "qat+lora":
-        qat, lora = Row(row.preset, "qat"), Row(row.preset, "lora-topk-tail", row.lora_r)
-        first = stage_fields(args, qat, caches)[0]
+    numbers, so neither is in a digest); a chain's second stage starts from the first's quantizer.safetensors."""
+    if row.method in CHAINS:
+        head, lora = Row(row.preset, CHAINS[row.method]), Row(row.preset, "lora-topk-tail", row.lora_r)
+        first = stage_fields(args, head, caches)[0]
         return [first, {**stage_fields(args, lora, caches)[0],
-                        "quantizer": str(Path(run_dir(args, qat, first)) / "quantizer.safetensors")}]
+                        "quantizer": str(Path(run_dir(args, head, first)) / "quantizer.safetensors")}]
     r = row.lora_r or args.main_rank  # qat trains no adapter; the field is then unused
     fields = dict(model=args.teacher, cache=caches["sampled" if row.method == "lora-sampled" else "topk"]["path"],
                   quant=row.preset, max_steps=args.max_steps, batch_size=args.batch_size,
-                  lr=args.qat_lr if row.method == "qat" else args.lr, warmup_steps=max(1, args.max_steps // 20),
-                  lora_r=r, lora_alpha=2.0 * r, seed=args.seed, quantizer=init_quantizer(args, row.preset))
+                  lr=args.qat_lr if row.method in ("qat", "weight-qat") else args.lr,
+                  warmup_steps=max(1, args.max_steps // 20), lora_r=r, lora_alpha=2.0 * r, seed=args.seed,
+                  quantizer=init_quantizer(args, row.preset, caches))
+    if row.method == "weight-qat":
+        fields["weight_lr_ratio"] = args.weight_lr / args.qat_lr
     return [{**fields, **TRAINED[row.method]}]
 
 
@@ -308,6 +352,8 @@ def row_key(args: argparse.Namespace, row: Row, caches: dict[str, dict]) -> str:
     parts: list = [eval_settings(args, caches)]
     if row.preset:
         parts.append(quant_config_dict(get_preset(row.preset)))
+    if row.method in DATA_INITS:
+        parts.append(data_init_settings(args, row.preset, DATA_INITS[row.method], caches))
     if row.method in TRAINED:
         parts.append(stage_fields(args, row, caches))
     return f"{args.budget_name}/{row.label}/{_digest(parts)}"
@@ -329,6 +375,15 @@ def evaluate_model(model, args: argparse.Namespace, caches: dict[str, dict], dev
 def run_teacher(args: argparse.Namespace, caches: dict[str, dict], device: torch.device) -> dict:
     model = load_student(StudentSpec(args.teacher, ""), attn_implementation=resolve_attn("auto", device))
     return {"init": None, "tokens": 0, "steps": 0, "wall_s": 0.0, **evaluate_model(model, args, caches, device)}
+
+
+def run_data_init(args: argparse.Namespace, row: Row, caches: dict[str, dict], device: torch.device) -> dict:
+    """A data-aware init (computed once, on the CPU), then its evaluation as a PTQ student."""
+    init = DATA_INITS[row.method]
+    path, seconds = data_init(args, row.preset, init, caches)
+    model = build_student(StudentSpec(args.teacher, row.preset, path), resolve_attn("auto", device))
+    return {"init": init, "tokens": 0, "steps": 0, "wall_s": round(seconds, 2), "quantizer": path,
+            "bits_per_weight": round(bits_per_weight(model), 4), **evaluate_model(model, args, caches, device)}
 
 
 def run_ptq(args: argparse.Namespace, row: Row, caches: dict[str, dict], device: torch.device) -> dict:
@@ -361,13 +416,14 @@ def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], dev
     """Every stage of the row, then the trained student (its last adapter over its trained quantiser, if any)."""
     stages = []
     for fields in stage_fields(args, row, caches):
-        stage_row = Row(row.preset, "qat") if fields.get("preset") == "qat" else row
+        stage_row = Row(row.preset, fields["preset"]) if fields.get("preset") in CHAINS.values() else row
         stages.append(train_stage(args, stage_row, fields))
     quantizer = stages[-1]["quantizer"] or ""  # the last stage's starting or trained quantiser
     model = load_student(StudentSpec(args.teacher, row.preset, quantizer), stages[-1]["adapter"] or "",
                          resolve_attn("auto", device))
     cache = caches["sampled" if row.method == "lora-sampled" else "topk"]
-    return {"init": get_preset(row.preset).init, "tokens": sum(s["tokens"] for s in stages),
+    init = args.start if args.start != "preset" else get_preset(row.preset).init
+    return {"init": init, "tokens": sum(s["tokens"] for s in stages),
             "steps": sum(s["steps"] for s in stages), "wall_s": round(sum(s["wall_s"] for s in stages), 2),
             "run_dir": stages[-1]["run_dir"], "stages": stages, "cache": cache["path"],
             "cache_encoding": cache["encoding"], "cache_bytes_per_token": cache["bytes_per_token"],
@@ -405,6 +461,8 @@ def run_row(args: argparse.Namespace, row: Row, key: str, caches: dict[str, dict
         result = run_teacher(args, caches, device)
     elif row.method in PTQ_INITS:
         result = run_ptq(args, row, caches, device)
+    elif row.method in DATA_INITS:
+        result = run_data_init(args, row, caches, device)
     else:
         result = run_trained(args, row, caches, device)
     record = {"key": key, "budget": args.budget_name, "preset": row.preset, "method": row.method,
@@ -413,8 +471,8 @@ def run_row(args: argparse.Namespace, row: Row, key: str, caches: dict[str, dict
               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
     teacher = record if row.preset is None else done[row_key(args, Row(None, "teacher"), caches)]
     ptq = None if row.preset is None else (
-        record if row.method == start_method(row.preset) else
-        done[row_key(args, Row(row.preset, start_method(row.preset)), caches)])
+        record if row.method == start_method(args, row.preset) else
+        done[row_key(args, Row(row.preset, start_method(args, row.preset)), caches)])
     record.update(gap_fields(record, teacher, ptq))
     return record
 

@@ -17,7 +17,8 @@ REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", 
             "ppl_ratio", "start_init", "tokens", "wall_s", "device", "kd_kl", "kd_top1", "lora_r",
             "cache_bytes_per_token", "run_dir")
 # Every method but lora-topk-renorm (the same trainer with one more TrainConfig flag), to stay under a minute.
-METHODS = ("teacher", "ptq-rtn", "ptq-init", "lora-topk-tail", "lora-sampled", "ce-only", "qat", "qat+lora")
+METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-act", "ptq-gptq", "lora-topk-tail", "lora-sampled", "ce-only", "qat",
+           "qat+lora", "weight-qat", "weight-qat+lora")
 
 
 def _load_script():
@@ -43,7 +44,7 @@ def tiny_args(tmp_path_factory, teacher_dir, corpus_dir) -> list[str]:
             "--work", str(root / "work"), "--json", str(root / "results" / "recovery.json"),
             "--presets", "w4g32", "--methods", *METHODS, "--ranks", "4", "--main-rank", "4",
             "--max-steps", "2", "--batch-size", "4", "--seq-len", "32", "--top-k", "8", "--cache-tokens", "3000",
-            "--eval-tokens", "600", "--eval-seq-len", "64", "--lr", "3e-3", "--qat-lr", "3e-3", "--device", "cpu",
+            "--eval-tokens", "600", "--eval-seq-len", "64", "--lr", "3e-3", "--qat-lr", "3e-3", "--weight-lr", "1e-3", "--calib-sequences", "8", "--device", "cpu",
             "--budget-name", "test"]
 
 
@@ -94,7 +95,8 @@ def test_gaps_follow_from_the_perplexities(first_run):
 
 def test_tokens_and_stages(first_run):
     by = _by_method(first_run["records"])
-    assert all(by[m]["tokens"] == 0 and by[m]["run_dir"] is None for m in ("teacher", "ptq-rtn", "ptq-init"))
+    assert all(by[m]["tokens"] == 0 and by[m]["run_dir"] is None
+               for m in ("teacher", "ptq-rtn", "ptq-init", "ptq-act", "ptq-gptq"))
     lora = by["lora-topk-tail"]
     assert lora["tokens"] == 2 * 4 * 32 and lora["steps"] == 2
     stages = by["qat+lora"]["stages"]
@@ -102,8 +104,32 @@ def test_tokens_and_stages(first_run):
     assert stages[0]["run_dir"] == by["qat"]["run_dir"]  # the qat row's run is the first stage, trained once
     assert by["qat+lora"]["tokens"] == by["qat"]["tokens"] + lora["tokens"]
     assert by["qat+lora"]["wall_s"] == pytest.approx(sum(s["wall_s"] for s in stages), abs=0.02)
+    stages = by["weight-qat+lora"]["stages"]
+    assert [s["train_preset"] for s in stages] == ["weight-qat", "recovery-lora"]
+    assert stages[0]["run_dir"] == by["weight-qat"]["run_dir"] and by["weight-qat"]["lora_r"] is None
+    lora_stage = json.loads((Path(stages[1]["run_dir"]) / "config.json").read_text())
+    assert lora_stage["quantizer"] == str(Path(stages[0]["run_dir"]) / "quantizer.safetensors")
     sampled, topk = by["lora-sampled"]["cache_bytes_per_token"], by["lora-topk-tail"]["cache_bytes_per_token"]
     assert sampled > 0 and topk > 0
+
+
+def test_start_from_a_data_aware_init(recovery, first_run, tiny_args, tmp_path):
+    # --start gptq: the GPTQ row (already computed by the first run: its record and init file are reused) is
+    # every trained row's start; gaps are measured against it. Its own results file: the others stay as they are.
+    args = list(tiny_args)
+    results = tmp_path / "recovery.json"
+    results.write_text(Path(args[args.index("--json") + 1]).read_text())
+    args[args.index("--json") + 1] = str(results)
+    methods = args.index("--methods")
+    args[methods + 1:methods + 1 + len(METHODS)] = ["teacher", "lora-topk-tail"]
+    args += ["--start", "gptq"]
+    by = _by_method(recovery.main(args)["records"])
+    first = _by_method(first_run["records"])
+    gptq, lora = by["ptq-gptq"], [r for r in recovery.load_results(Path(args[args.index("--json") + 1]))["records"]
+                                  if r["method"] == "lora-topk-tail" and r["start_init"] == "gptq"][0]
+    assert gptq["ppl"] == first["ptq-gptq"]["ppl"] and lora["ptq_ppl"] == gptq["ppl"] and lora["init"] == "gptq"
+    run_config = json.loads((Path(lora["run_dir"]) / "config.json").read_text())
+    assert run_config["quantizer"] == gptq["quantizer"] and lora["key"] != first["lora-topk-tail"]["key"]
 
 
 def test_second_run_skips_every_row(recovery, first_run, tiny_args):
