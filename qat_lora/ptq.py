@@ -67,9 +67,12 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
     started = time.perf_counter()
     preset = get_preset(cfg.quant)
     report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(preset)}
+    if cfg.init != "none":
+        # Both data-aware inits fit group scales by the (weighted) clipping search, which is how the activation
+        # weights act; under GPTQ min/max scales measured far worse (SmolLM2 w3g64, 32 calibration sequences:
+        # 52.5 ppl vs 29.0; docs/BENCHMARKS.md), as the error feedback widens each group's range.
+        preset = replace(preset, init="mse")
     if cfg.init == "act":
-        if preset.init != "mse":  # the activation weights act through the clipping search / k-means
-            preset = replace(preset, init="mse")
         quantize_(model, preset, importance=activation_importance(model, batches, preset))
     else:
         quantize_(model, preset)
