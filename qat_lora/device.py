@@ -21,6 +21,19 @@ def xla_available() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
+_XLA_OFF = "USE_TORCH_XLA"  # accelerate and transformers import torch_xla when it is installed, unless this is 0
+
+
+def keep_torch_xla_unloaded() -> None:
+    """Before loading a model on a run that has not asked for an XLA device: keep accelerate from importing
+    torch_xla, whose import alone warns "Defaulting to PJRT_DEVICE=CPU" and costs seconds. `resolve_device`
+    lifts it when an XLA device is asked for later in the same process."""
+    import sys
+
+    if "torch_xla" not in sys.modules and "PJRT_DEVICE" not in os.environ:
+        os.environ.setdefault(_XLA_OFF, "0")
+
+
 def tpu_present() -> bool:
     # Cheap checks that need no runtime start: a TPU VM sets these or exposes /dev/accel*.
     return os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
@@ -53,6 +66,8 @@ def resolve_device(name: str = "auto") -> torch.device:
         if name == "tpu" and not tpu_present():
             raise ValueError("--device tpu: no TPU found on this host; use --device xla with PJRT_DEVICE=CPU to test XLA")
         os.environ.setdefault("PJRT_DEVICE", "TPU" if name == "tpu" else "CPU")
+        if os.environ.get(_XLA_OFF) == "0":
+            del os.environ[_XLA_OFF]
         import torch_xla
 
         return torch_xla.device()

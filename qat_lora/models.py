@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import device as dev
+
 
 def _looks_like_path(name: str) -> bool:
     # Hub names are "name" or "org/name"; anything else path-shaped is a path that must exist.
@@ -49,6 +51,7 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     Raises:
         ValueError: missing path or unloadable model, in one line naming it.
     """
+    dev.keep_torch_xla_unloaded()
     from transformers import AutoModelForCausalLM
 
     location, kwargs = _location(name_or_path)

@@ -19,3 +19,13 @@ def test_host_allocator_is_tuned_on_glibc_unless_the_user_set_malloc_variables()
     libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else ""
     assert _probe(env) == ("True" if libc.startswith("glibc") else "False")
     assert _probe({**env, "MALLOC_TOP_PAD_": "0"}) == "False"  # the user's own setting wins, untouched
+
+
+def test_a_cpu_run_neither_imports_torch_xla_nor_warns_about_it(teacher_dir):
+    # accelerate imports torch_xla whenever it is installed, which prints "Defaulting to PJRT_DEVICE=CPU" on
+    # every plain CPU run; loading a model for the CPU must keep it out.
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "USE_TORCH_XLA")}
+    probe = ("import sys; from qat_lora import device, models; device.resolve_device('cpu'); "
+             f"models.load_causal_lm({str(teacher_dir)!r}); import peft; print('torch_xla' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False" and "PJRT" not in out.stderr
