@@ -74,6 +74,13 @@ def _quantize(args: argparse.Namespace) -> None:
     quantize(config_from_args(QuantizeConfig, args))
 
 
+def _recover(args: argparse.Namespace) -> None:
+    from .config import RecoverConfig
+    from .recover import recover
+
+    recover(config_from_args(RecoverConfig, args))
+
+
 def _eval(args: argparse.Namespace) -> None:
     from .config import EvalConfig
     from .evaluate import evaluate
@@ -134,7 +141,8 @@ def _presets(args: argparse.Namespace) -> None:
 def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentParser:
     """The `qat-lora` parser; `script` = (command, script name) makes that command's --help and errors carry
     the name of the script in scripts/ that runs it."""
-    from .config import CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, QuantizeConfig, TrainConfig
+    from .config import (CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, QuantizeConfig, RecoverConfig,
+                         TrainConfig)
 
     parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +154,8 @@ def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentPars
         ("build-cache", "run the teacher once and write top-K targets", CacheBuildConfig, _build_cache),
         ("quantize", "initialise a quantised student from calibration data (GPTQ, activation-weighted)",
          QuantizeConfig, _quantize),
+        ("recover", "the recovery recipe: init -> end-to-end QAT -> LoRA, each stage resumable", RecoverConfig,
+         _recover),
         ("train", "train recovery LoRA adapters and/or the quantiser from a cache, on one or N chips", TrainConfig,
          _train),
         ("eval", "held-out perplexity and KD metrics", EvalConfig, _eval),

@@ -196,6 +196,55 @@ class QuantizeConfig(StudentSpec):
         super().__post_init__()
 
 
+QAT_STAGES = ("weight-qat", "qat", "none")
+
+
+@dataclass
+class RecoverConfig(StudentSpec):
+    """The whole recovery recipe: init -> end-to-end QAT -> recovery LoRA, each stage in its own sub-folder."""
+
+    cache: str = field(default="caches/kd", metadata={"help": "KD cache: targets for every stage, and calibration"})
+    out: str = field(default="runs/recover", metadata={"help": "run folder: init/, qat/, lora/ and recover.json"})
+    init: str = field(default="gptq", metadata={"help": "stage 1, data-aware init: gptq, act or none"})
+    calib_sequences: int = field(default=128, metadata={"help": "stage 1: calibration sequences of the cache"})
+    qat: str = field(default="weight-qat", metadata={"help": "stage 2, end-to-end KD of the quantised weights: "
+                                                             "weight-qat (weights + scales/zeros), qat (scales/zeros) "
+                                                             "or none"})
+    qat_steps: int = field(default=200, metadata={"help": "stage 2: optimizer steps"})
+    qat_lr: float = field(default=5e-4, metadata={"help": "stage 2: peak learning rate of scales and zeros"})
+    weight_lr: float = field(default=2e-3, metadata={"help": "stage 2 (weight-qat): peak learning rate of the weights"})
+    lora_steps: int = field(default=200, metadata={"help": "stage 3, recovery LoRA over the stage-2 student: "
+                                                           "optimizer steps (0 = no LoRA: the result is on the grid)"})
+    lr: float = field(default=2e-3, metadata={"help": "stage 3: peak learning rate of LoRA"})
+    lora_r: int = field(default=16, metadata={"help": "stage 3: LoRA rank (alpha = 2 r)"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per micro-step (per chip)"})
+    accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps in each training stage"})
+    seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+
+    def __post_init__(self) -> None:
+        if self.init not in DATA_INITS:
+            raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
+        if self.qat not in QAT_STAGES:
+            raise ValueError(f"--qat {self.qat!r}: choose one of {', '.join(QAT_STAGES)}")
+        for name in ("calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        for name in ("lora_steps", "save_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0")
+        for name in ("qat_lr", "weight_lr", "lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        if not self.quant:
+            raise ValueError("--quant is required: the quantisation preset to recover")
+        if self.quantizer:
+            raise ValueError("--quantizer: recover builds its own init; to start from a trained quantiser use "
+                             "qat-lora train --quantizer")
+        super().__post_init__()
+
+
 EXPORT_FORMATS = ("packed", "dense", "both")
 
 

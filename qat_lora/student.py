@@ -152,15 +152,26 @@ def save_adapter(model, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_artifacts(model, preset: str, folder: Path) -> dict[str, str | None]:
-    """What the preset trained, in standard files: `adapter/` (PEFT) and/or `quantizer.safetensors`."""
+def has_codes(path: str | Path) -> bool:
+    """Whether a quantiser state file carries codes (its student's weights moved from the base model's)."""
+    from safetensors import safe_open
+
+    if not path:
+        return False
+    with safe_open(str(path), "pt") as f:
+        return any(key.endswith("." + CODES_KEY) for key in f.keys())
+
+
+def save_artifacts(model, preset: str, folder: Path, codes: bool = False) -> dict[str, str | None]:
+    """What the preset trained, in standard files: `adapter/` (PEFT) and/or `quantizer.safetensors`, whose codes
+    are written when the weights trained or (`codes`) had moved before training (a GPTQ or weight-qat start)."""
     folder.mkdir(parents=True, exist_ok=True)
     paths: dict[str, str | None] = {"adapter": None, "quantizer": None}
     if "lora" in TRAIN_PRESETS[preset]:
         save_adapter(model, folder / ADAPTER_DIR)
         paths["adapter"] = str(folder / ADAPTER_DIR)
     if "quantizer" in TRAIN_PRESETS[preset] or "weights" in TRAIN_PRESETS[preset]:
-        save_quantizer_state(model, folder / QUANTIZER_FILE, codes="weights" in TRAIN_PRESETS[preset])
+        save_quantizer_state(model, folder / QUANTIZER_FILE, codes=codes or "weights" in TRAIN_PRESETS[preset])
         paths["quantizer"] = str(folder / QUANTIZER_FILE)
     return paths
 

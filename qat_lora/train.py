@@ -38,7 +38,7 @@ from .files import atomic_write_json
 from .loss import KDLossConfig, forward_loss
 from .metrics import kd_metrics
 from .quant import get_preset, quant_config_dict, quantized_weights_once_per_step
-from .student import (build_student, enable_activation_checkpointing_, latent_weights, make_trainable_,
+from .student import (build_student, enable_activation_checkpointing_, has_codes, latent_weights, make_trainable_,
                       resolve_attn, save_artifacts, trainable_parameters)
 
 
@@ -66,6 +66,7 @@ class _Run:
     best_eval_loss: float | None = None
     wall_s_before: float = 0.0  # training time of the processes before a resume
     started: float = 0.0  # perf_counter when this process's loop began
+    moved: bool = False  # the student's weights started off the base model's (a --quantizer with codes)
 
 
 def _batch(cfg: TrainConfig, backend: Backend) -> int:
@@ -111,7 +112,8 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     tokens_per_step = _batch(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
-    run = _Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device)
+    run = _Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device,
+               moved=has_codes(cfg.quantizer))
     if resume_from is not None:
         _restore(run, resume_from)
         log(f"resumed from {resume_from} at step {run.step}")
@@ -155,8 +157,8 @@ def _save_checkpoint(run: _Run) -> Path | None:
              "wall_s": run.wall_s_before + time.perf_counter() - run.started,
              "scheduler": run.scheduler.state_dict(), "optimizer": opt_meta, "config": asdict(cfg)}
     tensors = {ckpt.TRAINABLE_FILE: dict(run.params), ckpt.OPTIMIZER_FILE: opt_tensors, ckpt.RNG_FILE: rng}
-    return ckpt.save_checkpoint(run.out, run.step, tensors, state, lambda d: save_artifacts(run.model, cfg.preset, d),
-                                keep=cfg.keep_checkpoints)
+    return ckpt.save_checkpoint(run.out, run.step, tensors, state,
+                                lambda d: save_artifacts(run.model, cfg.preset, d, run.moved), keep=cfg.keep_checkpoints)
 
 
 @torch.no_grad()
@@ -192,7 +194,7 @@ def _evaluate(run: _Run, metrics: runs.MetricsLog) -> None:
             run.best_eval_loss = result["eval_loss"]
             tmp = run.out / (runs.BEST_DIR + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_artifacts(run.model, run.cfg.preset, tmp)
+            save_artifacts(run.model, run.cfg.preset, tmp, run.moved)
             atomic_write_json(tmp / "eval.json", {"step": run.step, **result})
             shutil.rmtree(run.out / runs.BEST_DIR, ignore_errors=True)
             os.replace(tmp, run.out / runs.BEST_DIR)
@@ -226,7 +228,7 @@ def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dt
 
 def _finish(run: _Run, started: float, first_step: int, compiled_by_step_2: int, log: Callable[[str], None]) -> dict:
     """Final artefacts, summary and (on XLA) the compile report; master only."""
-    paths = save_artifacts(run.model, run.cfg.preset, run.out)
+    paths = save_artifacts(run.model, run.cfg.preset, run.out, run.moved)
     steps = run.step - first_step
     wall = time.perf_counter() - started
     summary = {"steps": run.step, "steps_this_process": steps, "tokens": run.step * run.tokens_per_step,
