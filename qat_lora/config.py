@@ -29,6 +29,19 @@ TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
 PARALLEL_MODES = ("auto", "processes", "spmd")
 
 
+def _require_positive(cfg, *names: str) -> None:
+    """One-line errors for flags that must be > 0 (NaN included: `not x > 0`)."""
+    for name in names:
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be positive")
+
+
+def _require_non_negative(cfg, *names: str, note: str = "") -> None:
+    for name in names:
+        if not getattr(cfg, name) >= 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0{note}")
+
+
 @dataclass
 class StudentSpec:
     """The quantised student: a full-precision model, a quantisation preset, and optionally a qat run's
@@ -107,16 +120,9 @@ class TrainConfig(StudentSpec):
     def __post_init__(self) -> None:
         if self.loss_chunk_size < 0:
             raise ValueError(f"--loss-chunk-size {self.loss_chunk_size}: must be >= 0 (0 = full logits)")
-        for name in ("max_steps", "batch_size", "accumulation_steps", "log_steps", "num_chips"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
-        for name in ("save_steps", "keep_checkpoints", "eval_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0 (0 = off)")
-        if not self.lr > 0:  # also refuses nan
-            raise ValueError(f"--lr {self.lr}: must be positive")
-        if not self.weight_lr_ratio > 0:
-            raise ValueError(f"--weight-lr-ratio {self.weight_lr_ratio}: must be positive")
+        _require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps", "num_chips")
+        _require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", note=" (0 = off)")
+        _require_positive(self, "lr", "weight_lr_ratio")
         if not 0.0 < self.min_lr_ratio <= 1.0:
             # A floor of exactly 0 would also make the last step's lr a special XLA scalar (a recompile).
             raise ValueError(f"--min-lr-ratio {self.min_lr_ratio}: must be in (0, 1]")
@@ -183,9 +189,7 @@ class QuantizeConfig(StudentSpec):
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         if self.init != "none" and not self.cache:
             raise ValueError(f"--init {self.init} needs --cache: its training split calibrates the init")
-        for name in ("calib_sequences", "batch_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        _require_positive(self, "calib_sequences", "batch_size")
         if not 0.0 < self.damp < 1.0:
             raise ValueError(f"--damp {self.damp}: must be in (0, 1)")
         if not self.quant:
@@ -228,15 +232,9 @@ class RecoverConfig(StudentSpec):
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         if self.qat not in QAT_STAGES:
             raise ValueError(f"--qat {self.qat!r}: choose one of {', '.join(QAT_STAGES)}")
-        for name in ("calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
-        for name in ("lora_steps", "save_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0")
-        for name in ("qat_lr", "weight_lr", "lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        _require_positive(self, "calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps",
+                          "qat_lr", "weight_lr", "lr")
+        _require_non_negative(self, "lora_steps", "save_steps")
         if not self.quant:
             raise ValueError("--quant is required: the quantisation preset to recover")
         if self.quantizer:
@@ -313,9 +311,7 @@ class CacheBuildConfig:
     overwrite: bool = field(default=False, metadata={"help": "replace an existing cache in --out"})
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size", "shard_sequences", "world_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        _require_positive(self, "seq_len", "batch_size", "shard_sequences", "world_size")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens {self.max_tokens}: must be >= 0 (0 = the whole corpus)")
         if not 0 <= self.rank < self.world_size:
