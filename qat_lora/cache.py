@@ -45,6 +45,7 @@ class KDCache:
         if self.manifest.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"--cache {self.path}: schema version {self.manifest.get('schema_version')}, this "
                              f"qat-lora reads {SCHEMA_VERSION}; rebuild the cache")
+        _check_manifest(self.manifest, self.path / MANIFEST)
         self.encoding = make_encoding(self.manifest["encoding"])
         self.preload = preload
         self._handles: dict[str, object] = {}
@@ -175,14 +176,40 @@ def batch_order(num_rows: int, *, seed: int, epoch: int, rank: int = 0, world_si
     return order[rank::world_size]
 
 
+def _check_manifest(manifest: dict, where: Path) -> None:
+    """The fields the reader relies on, and shard names confined to the cache folder (a manifest is data from
+    elsewhere: `../x` or `/etc/x` must never be opened).
+
+    Raises:
+        ValueError: one line naming the manifest and the bad entry.
+    """
+    for key in ("schema_version", "encoding", "seq_len", "vocab_size", "splits", "tokenizer_sha256", "teacher"):
+        if key not in manifest:
+            raise ValueError(f"{where}: no `{key}` entry; the manifest is damaged: rebuild the cache")
+    for split, info in manifest["splits"].items():
+        sequences = info.get("sequences") if isinstance(info, dict) else None
+        if not isinstance(sequences, int) or not isinstance(info.get("shards"), list):
+            raise ValueError(f"{where}: split {split!r} lacks `sequences` or `shards`; rebuild the cache")
+        for shard in info["shards"]:
+            name, rows = shard.get("file"), shard.get("rows")
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") or "\\" in name:
+                raise ValueError(f"{where}: shard name {name!r} is not a file inside the cache folder; refusing it")
+            span = range(*rows) if (isinstance(rows, list) and len(rows) == 3 and all(isinstance(r, int) for r in rows)
+                                    and rows[2] > 0) else None
+            if span is None or (len(span) and (span[0] < 0 or span[-1] >= sequences)):
+                raise ValueError(f"{where}: shard {name} has row range {rows!r} outside the {split} split's "
+                                 f"{sequences} sequences; rebuild the cache")
+
+
 def verify_cache(path: str | Path) -> list[str]:
     """Check a cache against its manifest: every shard present, of the recorded size and sha256, readable,
     with the shapes the manifest implies, and the splits' counts consistent. Returns the problems found,
     one line each naming the file (empty: the cache is sound)."""
     try:
         cache = KDCache(path)
-    except (ValueError, KeyError) as e:
-        return [str(e).splitlines()[0] if str(e) else f"{path}: unreadable manifest ({e!r})"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # verify itself never crashes
+        return [str(e).splitlines()[0] if isinstance(e, ValueError) and str(e) else
+                f"{Path(path) / MANIFEST}: unreadable manifest ({type(e).__name__}: {e})"]
     problems = []
     for split, info in cache.manifest["splits"].items():
         covered = 0
@@ -197,20 +224,26 @@ def verify_cache(path: str | Path) -> list[str]:
             elif sha256_file(file) != shard["sha256"]:
                 problems.append(f"{file}: sha256 differs from the manifest (corrupted)")
             else:
-                problems += _check_shapes(file, count, cache.seq_len)
+                problems += _check_shard(file, count, cache.seq_len)
         if covered != info["sequences"]:
             problems.append(f"{cache.path / MANIFEST}: {split} shards hold {covered} sequences, the manifest says {info['sequences']}")
     return problems
 
 
-def _check_shapes(file: Path, rows: int, seq_len: int) -> list[str]:
+def _check_shard(file: Path, rows: int, seq_len: int) -> list[str]:
+    """Shapes of the base arrays, and every stored float finite: a checksum only proves the bytes are the ones
+    written, and a teacher that overflowed writes NaN log-probs with a valid checksum."""
     try:
         with safe_open(str(file), framework="np") as f:
             shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+            nonfinite = [k for k in f.keys() if np.issubdtype((a := f.get_tensor(k)).dtype, np.floating)
+                         and not np.isfinite(a).all()]
     except Exception as e:  # a header that does not parse is a corrupt shard, whatever the library raises
         return [f"{file}: unreadable safetensors ({str(e).splitlines()[0]})"]
     bad = [k for k in BASE_KEYS if shapes.get(k) != [rows, seq_len]]
-    return [f"{file}: {', '.join(bad)} shaped {[shapes.get(k) for k in bad]}, expected [{rows}, {seq_len}]"] if bad else []
+    problems = [f"{file}: {', '.join(bad)} shaped {[shapes.get(k) for k in bad]}, expected [{rows}, {seq_len}]"] \
+        if bad else []
+    return problems + [f"{file}: {k} holds NaN or inf values; rebuild the cache" for k in nonfinite]
 
 
 def inspect_cache(path: str | Path) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -104,19 +105,38 @@ def _finished(cfg: CacheBuildConfig) -> bool:
     return json.loads(progress.read_text()).get("fingerprint") == cfg.fingerprint()
 
 
-def _prepare_out(cfg: CacheBuildConfig) -> Path:
+# Every name a build writes in its folder (shards, progress, partial and merged manifests, their temp files).
+_BUILD_FILE = re.compile(r"((train|heldout)-r\d{3}-\d{5}\.safetensors|progress-r\d{3}\.json|manifest(-r\d{3})?\.json)"
+                         r"(\.tmp)?")
+
+
+def _check_out(cfg: CacheBuildConfig) -> Path:
+    """Refuse an --out that cannot take this build, before any model loads. A folder holding anything a build
+    did not write (a model, another project) is refused outright: nothing of the user's is ever deleted."""
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; pass a folder for the cache")
+    foreign = sorted(p.name for p in out.iterdir() if not _BUILD_FILE.fullmatch(p.name)) if out.exists() else []
+    if foreign:
+        raise ValueError(f"--out {out}: holds files a cache build did not write ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}); pass an empty or new folder")
     mine = f"-r{cfg.rank:03d}-"
     if (out / MANIFEST).exists() and not cfg.overwrite:
         raise ValueError(f"--out {out}: a cache already exists there; pass --overwrite or choose another folder")
     if not cfg.resume and any(mine in p.name for p in out.glob("*.safetensors")) and not cfg.overwrite:
         raise ValueError(f"--out {out}: holds an unfinished build of rank {cfg.rank}; pass --resume or --overwrite")
+    return out
+
+
+def _prepare_out(cfg: CacheBuildConfig) -> Path:
+    """Create or reuse the checked cache folder; --overwrite removes only what a build wrote there."""
+    out = _check_out(cfg)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp"):
         stale.unlink()  # half-written files of a crashed build never carry a real name
     if cfg.overwrite:
-        for old in [*out.glob("*.safetensors"), *out.glob("progress-r*.json"), *out.glob("manifest*.json")]:
-            old.unlink()
+        for old in out.iterdir():
+            old.unlink()  # all of them match _BUILD_FILE (checked above)
     return out
 
 
@@ -152,6 +172,7 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     if _finished(cfg):  # a preemption loop may rerun the build once more after it completed
         log(f"{cfg.out}: this build is already complete; nothing to resume")
         return Path(cfg.out) / MANIFEST
+    _check_out(cfg)
     tokenizer, teacher = _load_teacher(cfg)
     packed = _tokenise(cfg, files, tokenizer)
     out = _prepare_out(cfg)

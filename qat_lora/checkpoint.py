@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from .files import sha256_file
 from .runs import CHECKPOINT_PREFIX as PREFIX
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -105,7 +106,10 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torch
         save_file(_cpu(group), str(tmp / name))
     if write_extra is not None:
         write_extra(tmp)
-    (tmp / STATE_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **state}, indent=2) + "\n")
+    # Checksums of everything above, in the state written last: a flipped byte is found, not resumed.
+    files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    (tmp / STATE_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **state, "files": files},
+                                             indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     if keep > 0:
@@ -114,24 +118,50 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torch
     return final
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """Read a checkpoint folder: ({file name: tensors}, state)."""
-    path = Path(path)
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed (incomplete, a file missing or changed), or None if intact."""
     if not (path / STATE_FILE).exists():
-        raise ValueError(f"--resume {path}: not a complete checkpoint (no {STATE_FILE}); pass a checkpoint-N folder "
-                         "or auto")
+        return f"not a complete checkpoint (no {STATE_FILE})"
+    try:
+        files = json.loads((path / STATE_FILE).read_text()).get("files", {})
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"{STATE_FILE} is damaged"
+    for name, digest in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if sha256_file(file) != digest:
+            return f"{name} is damaged (sha256 differs from {STATE_FILE})"
+    return None
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """Read a checkpoint folder: ({file name: tensors}, state), after checking every file's checksum.
+
+    Raises:
+        ValueError: an incomplete or damaged checkpoint, naming the file.
+    """
+    path = Path(path)
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ValueError(f"--resume {path}: {problem}; pass another checkpoint-N folder or auto")
     state = json.loads((path / STATE_FILE).read_text())
     tensors = {f.name: load_file(str(f)) for f in path.glob("*.safetensors")}
     return tensors, state
 
 
-def find_resume_point(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint `--resume` names: the newest complete one for `auto` (None when there is none)."""
+def find_resume_point(run_dir: Path, resume: str, log: Callable[[str], None] = print) -> Path | None:
+    """The checkpoint `--resume` names: for `auto` the newest intact one (a damaged one is reported and skipped;
+    None when there is none)."""
     if not resume:
         return None
     if resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
+        for found in reversed(list_checkpoints(run_dir)):
+            problem = checkpoint_problem(found)
+            if problem is None:
+                return found
+            log(f"--resume auto: {found.name} cannot be resumed ({problem}); trying an older checkpoint")
+        return None
     return Path(resume)
 
 
@@ -146,4 +176,5 @@ def check_resumable(saved: dict, current: dict, path: Path) -> None:
             continue
         flag = "--" + key.replace("_", "-")
         raise ValueError(f"--resume: {path.name} was written with {flag} {saved.get(key)!r}, this run has "
-                         f"{current.get(key)!r}; pass the same {flag} or choose a new --out")
+                         f"{current.get(key)!r}; pass the same {flag}, or --overwrite to replace that run, or "
+                         "choose a new --out")

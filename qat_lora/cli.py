@@ -187,18 +187,22 @@ def main(argv: Sequence[str] | None = None, script: str | None = None) -> int:
     parser = build_parser((argv[0], script) if script and argv else None)
     args = parser.parse_args(argv)
     from .assets import AssetError
+    from .runs import RunDiverged
 
     if args.command not in ("plot", "presets"):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
+    prefix = f"{script or 'qat-lora ' + args.command}: error: "
     try:
         code = args.func(args)
     except (ValueError, FileNotFoundError, AssetError) as e:
         # User errors end in one line naming the flag or file and the fix; tracebacks are for bugs.
-        print(f"{script or 'qat-lora ' + args.command}: error: "
-              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(prefix + (str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr)
         return 2
+    except (OSError, RunDiverged) as e:  # a full or read-only disk, a diverged run: not a bad flag, still one line
+        print(prefix + (str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr)
+        return 1
     return code or 0
 
 

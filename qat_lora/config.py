@@ -254,6 +254,7 @@ class ExportConfig(StudentSpec):
     merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
     cache: str = field(default="", metadata={"help": "KD cache: report held-out KD loss before/after the merge"})
     batch_size: int = field(default=4, metadata={"help": "sequences per forward for the merge report"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an earlier export in --out"})
 
     def __post_init__(self) -> None:
         if self.format not in EXPORT_FORMATS:

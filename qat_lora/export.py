@@ -37,6 +37,7 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
 PACKED_DIR, DENSE_DIR, ADAPTER_DIR = "packed", "dense", "adapter"
+EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, REPORT_FILE, REPORT_FILE + ".tmp")
 QUANT_TENSORS = ("scale", "zero", "codebook", "scale_a", "scale_b")
 
 
@@ -223,9 +224,28 @@ def _kd_loss(model, cache_dir: str, batch_size: int) -> dict:
     return kd_metrics(model, KDCache(cache_dir), batch_size, torch.device("cpu"))
 
 
+def _prepare_out(cfg: ExportConfig) -> Path:
+    """An export never mixes with another: an earlier one is replaced only with --overwrite (only what an
+    export writes is removed), and a folder holding anything else is refused."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; pass a folder for the export")
+    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    foreign = [name for name in entries if name not in EXPORT_ENTRIES]
+    if foreign:
+        raise ValueError(f"--out {out}: holds files an export did not write ({', '.join(foreign[:3])}); pass an "
+                         "empty or new folder")
+    if entries and not cfg.overwrite:
+        raise ValueError(f"--out {out}: holds an earlier export; pass --overwrite to replace it or choose another "
+                         "folder")
+    for name in entries:
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    return out
+
+
 def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
     """Build the student (with its adapter), optionally merge, and write the artefacts; returns the report."""
-    out = Path(cfg.out)
+    out = _prepare_out(cfg)
     tokenizer = models.load_tokenizer(cfg.model)
     student = load_student(cfg.student_spec(), cfg.adapter)
     report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant))}

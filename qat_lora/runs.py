@@ -36,6 +36,10 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPT
              TENSORBOARD_DIR)
 
 
+class RunDiverged(RuntimeError):
+    """The loss or gradient norm became NaN / inf: the run stops without saving the broken state."""
+
+
 def read_config(run_dir: str | Path) -> dict | None:
     """The run's config.json, or None when the folder holds no run."""
     path = Path(run_dir) / CONFIG_FILE

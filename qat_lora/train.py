@@ -67,6 +67,7 @@ class _Run:
     wall_s_before: float = 0.0  # training time of the processes before a resume
     started: float = 0.0  # perf_counter when this process's loop began
     moved: bool = False  # the student's weights started off the base model's (a --quantizer with codes)
+    finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
 
 
 def _batch(cfg: TrainConfig, backend: Backend) -> int:
@@ -86,9 +87,31 @@ def _load_student(cfg: TrainConfig, device: torch.device, backend: Backend, cach
     return student
 
 
+def _check_run_dir(cfg: TrainConfig, log: Callable[[str], None]) -> Path | None:
+    """The checkpoint to resume from, after refusing an --out whose run this one must not replace: a file,
+    a run without --overwrite, or (--resume auto) a run made with other settings, which would be wiped.
+
+    Raises:
+        ValueError: one line naming --out, the first differing flag and the fix.
+    """
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; pass a folder for the run")
+    resume_from = ckpt.find_resume_point(out, cfg.resume, log)
+    saved = runs.read_config(out)
+    if saved is not None and resume_from is None and not cfg.overwrite:
+        if cfg.resume != "auto":
+            raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
+                             "another folder")
+        saved = {**field_defaults(TrainConfig), **saved}
+        ckpt.check_resumable({k: saved[k] for k in asdict(cfg)}, asdict(cfg), out / runs.CONFIG_FILE)
+    return resume_from
+
+
 def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Callable[[str], None]) -> _Run:
     """Student, trainable parameters, data and optimizer; every input is checked before the run folder is touched."""
     cache = KDCache(cfg.cache)
+    resume_from = _check_run_dir(cfg, log)
     student = _load_student(cfg, device, backend, cache)
     per_epoch = batches_per_epoch(cache, _batch(cfg, backend), backend.world_size - 1, backend.world_size)
     if per_epoch == 0:
@@ -97,7 +120,6 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
     if cfg.eval_steps and cache.num_sequences("heldout") == 0:
         raise ValueError(f"--eval-steps {cfg.eval_steps}: the cache's held-out split is empty; rebuild it with "
                          "--holdout-fraction > 0 or pass --eval-steps 0")
-    resume_from = ckpt.find_resume_point(Path(cfg.out), cfg.resume)
     if backend.is_master:
         runs.prepare_run_dir(cfg.out, overwrite=cfg.overwrite, resume_auto=cfg.resume == "auto",
                              resuming=resume_from is not None)
@@ -113,7 +135,7 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     tokens_per_step = _batch(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
     run = _Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device,
-               moved=has_codes(cfg.quantizer))
+               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device))
     if resume_from is not None:
         _restore(run, resume_from)
         log(f"resumed from {resume_from} at step {run.step}")
@@ -141,8 +163,24 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def _check_finite(run: _Run) -> None:
+    """Stop before anything broken is saved: one host read of the step's finite flag (every rank reads it, so
+    all stop together; on XLA the value exists already after the step's graph ran).
+
+    Raises:
+        RunDiverged: naming the step and the last checkpoint saved before it.
+    """
+    if run.finite is not None and not bool(run.finite.cpu()):  # a transfer of a computed value, not an op
+        found = ckpt.list_checkpoints(run.out)
+        last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved before it"
+        raise runs.RunDiverged(f"training diverged: a loss or gradient norm is not finite at or before step "
+                               f"{run.step}; {last}; lower --lr or --max-grad-norm, or check the cache with "
+                               "`qat-lora cache verify`")
+
+
 def _save_checkpoint(run: _Run) -> Path | None:
     """Every rank contributes its RNG state; the master writes `checkpoint-{step}` (returns its path)."""
+    _check_finite(run)
     cfg, backend = run.cfg, run.backend
     backend.rendezvous(f"save-{run.step}")
     rng = {f"rank{r}.{name}": state for name, local in ckpt.rng_state(run.device).items()
@@ -184,6 +222,7 @@ def _restore(run: _Run, path: Path) -> None:
 
 def _evaluate(run: _Run, metrics: runs.MetricsLog) -> None:
     """Held-out KD loss and top-1 on the master; a new best is saved to `best/` (by eval loss, not train loss)."""
+    _check_finite(run)
     if run.backend.is_master:
         run.model.eval()
         result = kd_metrics(run.model, run.cache, run.cfg.batch_size, run.device)
@@ -222,6 +261,8 @@ def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dt
                 run.optimizer.step()
                 run.scheduler.step()
                 run.optimizer.zero_grad(set_to_none=False)
+                # Part of the step's graph (no extra graph, no host read): read only by _check_finite.
+                run.finite = torch.isfinite(totals["loss"]) & torch.isfinite(grad_norm) & run.finite
             dev.sync(run.device)
     return totals, grad_norm
 
@@ -308,10 +349,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
     compiled_by_step_2 = 0
     backend.rendezvous("start")
     # The loop: one optimizer step per iteration; metrics, evaluation and checkpoints at their intervals.
-    with runs.StopSignal() as stop:
+    with runs.StopSignal() as stop, progress:  # the bar is closed before any error line is printed
         while run.step < cfg.max_steps:
             totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype)
             run.step += 1
+            if run.step % cfg.log_steps == 0 or run.step == cfg.max_steps:
+                _check_finite(run)
             if master and (run.step % cfg.log_steps == 0 or run.step == cfg.max_steps):
                 _log_step(run, totals, grad_norm, metrics, progress, clock)
             progress.update(1)
@@ -326,7 +369,6 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
                 _stop(run, stop.signum, saved, log)
     # Save: the final artefacts, summary and compile report (master only).
     dev.sync(device)
-    progress.close()
     backend.rendezvous("end")
     summary = {}
     if master:
