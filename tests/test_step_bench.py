@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from qat_lora.config import TRAIN_PRESETS
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("kind", "device", "shape", "seq_len", "batch_size", "preset", "quant", "loss", "tokens_per_s", "mfu",
             "peak_mem_bytes")
@@ -29,9 +31,10 @@ def test_configurations_pair_every_preset_with_the_fake_quant_linear_only(step_b
     args = step_bench.parse_args(["--devices", "cpu", "xla", "--quant", "w2g32"])
     specs = step_bench.step_specs(args)
     keys = [(s["device"], s["linear"], s["preset"], s["chunk"]) for s in specs]
-    assert len(keys) == len(set(keys)) == 2 * (2 + 3 * 2)  # devices x (plain LoRA + 3 presets) x 2 losses
+    presets = set(TRAIN_PRESETS)  # recovery-lora, qat, qat+lora, weight-qat
+    assert len(keys) == len(set(keys)) == 2 * (1 + len(presets)) * 2  # devices x (plain LoRA + presets) x losses
     assert {k[2] for k in keys if k[1] == "nn.Linear"} == {"recovery-lora"}
-    assert {k[2] for k in keys if k[1] == "w2g32"} == {"recovery-lora", "qat", "qat+lora"}
+    assert {k[2] for k in keys if k[1] == "w2g32"} == presets
     assert {k[3] for k in keys} == {0, 128}
     assert all(s["wq_once"] and s["accumulation"] == 1 for s in specs)
     # With micro-batches, the QAT presets also run with Wq built per micro-batch (the comparison rows).
