@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from . import quant_init
 
 SCHEMES = ("int", "lut")
-INITS = ("rtn", "mse")
+INITS = ("rtn", "mse", "hqq")
 CODEBOOKS = ("tensor", "group")
 
 
@@ -43,7 +43,8 @@ class QuantConfig:
     scale_rank: int = field(default=0, metadata={"help": "rank r of low-rank scale factors s * (1 + A @ B); 0 = none"})
     # rtn is the default because it measured better: on SmolLM2-135M w3g64, weight-MSE clipping gave Wikipedia
     # ppl 51.9 vs 46.5 for min/max (docs/BENCHMARKS.md); clipping outlier weights costs more than it saves.
-    init: str = field(default="rtn", metadata={"help": "rtn (min/max, uniform LUT) or mse (clipping search, k-means LUT)"})
+    init: str = field(default="rtn", metadata={"help": "rtn (min/max, uniform LUT), mse (clipping search, k-means LUT) "
+                      "or hqq (int: half-quadratic robust fit of zero, then scale, data-free; lut: k-means, as mse)"})
     include: tuple[str, ...] = field(default=("*",), metadata={"help": "fnmatch patterns of module names to quantise"})
     exclude: tuple[str, ...] = field(default=("lm_head", "*.lm_head"),
                                      metadata={"help": "fnmatch patterns left in full precision (wins over include)"})
@@ -251,13 +252,14 @@ class FakeQuantLinear(nn.Linear):
         imp = None if importance is None else importance.detach().cpu()
         values: dict[str, torch.Tensor] = {}
         if cfg.scheme == "int":
-            init = quant_init.mse_scale_zero if cfg.init == "mse" else quant_init.rtn_scale_zero
-            values["scale"], values["zero"] = init(w, cfg.bits, cfg.symmetric, g, *([imp] if cfg.init == "mse" else []))
+            init = {"mse": quant_init.mse_scale_zero, "hqq": quant_init.hqq_scale_zero}.get(cfg.init)
+            values["scale"], values["zero"] = (quant_init.rtn_scale_zero(w, cfg.bits, cfg.symmetric, g) if init is None
+                                               else init(w, cfg.bits, cfg.symmetric, g, imp))
         else:
             values["scale"] = quant_init.lut_scale(w, g)
             per_group = cfg.codebook == "group"
             values["codebook"] = (
-                quant_init.kmeans_codebook(w, values["scale"], cfg.bits, g, per_group, imp) if cfg.init == "mse"
+                quant_init.kmeans_codebook(w, values["scale"], cfg.bits, g, per_group, imp) if cfg.init != "rtn"
                 else quant_init.uniform_codebook(cfg.bits, tuple(values["scale"].shape) if per_group else None))
         if cfg.scale_rank:  # A small and random, B zero: starts at s, and B gets a gradient at once (as LoRA)
             generator = torch.Generator().manual_seed(0)
