@@ -69,8 +69,8 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
     report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(preset)}
     if cfg.init != "none":
         # Both data-aware inits fit group scales by the (weighted) clipping search, which is how the activation
-        # weights act; under GPTQ min/max scales measured far worse (SmolLM2 w3g64, 32 calibration sequences:
-        # 52.5 ppl vs 29.0; docs/BENCHMARKS.md), as the error feedback widens each group's range.
+        # weights act; under GPTQ min/max scales measured far worse (a probe on SmolLM2 w3g64, 32 calibration
+        # sequences: 52.5 ppl vs 29.0; docs/RESULTS.md), as the error feedback widens each group's range.
         preset = replace(preset, init="mse")
     if cfg.init == "act":
         quantize_(model, preset, importance=activation_importance(model, batches, preset))
