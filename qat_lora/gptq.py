@@ -245,11 +245,15 @@ def collect_hessians(layer: nn.Module, inputs: blocks.BlockInputs, modules: dict
 
 @torch.no_grad()
 def _write_(module: FakeQuantLinear, result: dict[str, torch.Tensor]) -> None:
-    """Load a gptq_quantize result into the module: latent weight := Wq, quantiser parameters := the result."""
-    module.weight.data.copy_(result["weight"].to(module.weight.dtype))
+    """Load a gptq_quantize result into the module: latent weight := Wq, quantiser parameters := the result.
+
+    In-place copies into the same Parameter objects (an optimizer built before stays valid); copy_ on the
+    parameter itself, not on .data, bumps its version, which FakeQuantLinear's Wq cache key watches.
+    """
+    module.weight.copy_(result["weight"])
     for name in ("scale", "zero", "codebook"):
         if name in result:
-            getattr(module, name).data.copy_(result[name])
+            getattr(module, name).copy_(result[name])
     module._cached_wq = None
 
 
