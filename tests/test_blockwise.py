@@ -37,6 +37,17 @@ def _fake_quant(model) -> dict[str, FakeQuantLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # A 64-wide model gains nothing from more threads, and on a busy 2-core host their spin-waits cost ~4x.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def batches(cache_dir) -> list[torch.Tensor]:
     return calibration_batches(str(cache_dir), 16, 4)  # training split, 16 x 32 tokens

@@ -42,7 +42,7 @@ def test_hqq_weight_error_never_above_rtn_and_grid_is_exportable(bits, group_siz
     ours, base = _errors(w, scale, zero, qmin, qmax, group_size), _errors(w, *rtn, qmin, qmax, group_size)
     for norm in ("l2", "l1", "l0.7"):
         assert ours[norm] <= base[norm], (norm, ours[norm], base[norm])
-    assert ours["l0.7"] < 0.99 * base["l0.7"]  # the robust fit really moves the grid (-3 % to -16 % here)
+    assert ours["l0.7"] < 0.99 * base["l0.7"]  # the fit really moves the grid (-3 % to -14 % here)
 
 
 def test_hqq_never_worse_than_rtn_per_group_under_importance():
