@@ -181,7 +181,12 @@ class QuantizeConfig(StudentSpec):
     batch_size: int = field(default=8, metadata={"help": "calibration sequences per forward"})
     damp: float = field(default=0.01, metadata={"help": "gptq: damping, as a fraction of the mean Hessian diagonal"})
     act_order: bool = field(default=False, metadata={"help": "gptq: quantise columns by decreasing activation energy"})
-    out: str = field(default="runs/init", metadata={"help": "folder for quantizer.safetensors and quantize.json"})
+    blockwise_steps: int = field(default=0, metadata={"help": "block-wise reconstruction after the init: optimizer steps "
+                                                              "per decoder block (0 = off)"})
+    blockwise_lr: float = field(default=1e-3, metadata={"help": "block-wise: learning rate of the latent weights"})
+    blockwise_quant_lr: float = field(default=1e-4, metadata={"help": "block-wise: learning rate of scales and zeros"})
+    out: str = field(default="runs/init", metadata={"help": "folder for quantizer.safetensors, quantize.json and "
+                                                            "blocks/ (block-wise progress)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing init in --out"})
 
     def __post_init__(self) -> None:
@@ -189,7 +194,13 @@ class QuantizeConfig(StudentSpec):
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         if self.init != "none" and not self.cache:
             raise ValueError(f"--init {self.init} needs --cache: its training split calibrates the init")
-        _require_positive(self, "calib_sequences", "batch_size")
+        if self.blockwise_steps and not self.cache:
+            raise ValueError("--blockwise-steps needs --cache: the blocks are fitted on its training split")
+        _require_positive(self, "calib_sequences", "batch_size", "blockwise_lr", "blockwise_quant_lr")
+        _require_non_negative(self, "blockwise_steps")
+        if self.blockwise_steps and self.batch_size > self.calib_sequences:
+            raise ValueError(f"--batch-size {self.batch_size}: block-wise steps draw batches from the "
+                             f"{self.calib_sequences} --calib-sequences; use at most that many")
         if not 0.0 < self.damp < 1.0:
             raise ValueError(f"--damp {self.damp}: must be in (0, 1)")
         if not self.quant:
@@ -205,12 +216,17 @@ QAT_STAGES = ("weight-qat", "qat", "none")
 
 @dataclass
 class RecoverConfig(StudentSpec):
-    """The whole recovery recipe: init -> end-to-end QAT -> recovery LoRA, each stage in its own sub-folder."""
+    """The whole recovery recipe: init (-> block-wise) -> end-to-end QAT -> recovery LoRA, each stage in its own
+    sub-folder."""
 
     cache: str = field(default="caches/kd", metadata={"help": "KD cache: targets for every stage, and calibration"})
     out: str = field(default="runs/recover", metadata={"help": "run folder: init/, qat/, lora/ and recover.json"})
     init: str = field(default="gptq", metadata={"help": "stage 1, data-aware init: gptq, act or none"})
     calib_sequences: int = field(default=128, metadata={"help": "stage 1: calibration sequences of the cache"})
+    blockwise_steps: int = field(default=0, metadata={"help": "stage 1b, block-wise reconstruction after the init: "
+                                                              "optimizer steps per decoder block (0 = skip)"})
+    blockwise_lr: float = field(default=1e-3, metadata={"help": "stage 1b: learning rate of the latent weights"})
+    blockwise_quant_lr: float = field(default=1e-4, metadata={"help": "stage 1b: learning rate of scales and zeros"})
     qat: str = field(default="weight-qat", metadata={"help": "stage 2, end-to-end KD of the quantised weights: "
                                                              "weight-qat (weights + scales/zeros), qat (scales/zeros) "
                                                              "or none"})
@@ -234,7 +250,8 @@ class RecoverConfig(StudentSpec):
             raise ValueError(f"--qat {self.qat!r}: choose one of {', '.join(QAT_STAGES)}")
         _require_positive(self, "calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps",
                           "qat_lr", "weight_lr", "lr")
-        _require_non_negative(self, "lora_steps", "save_steps")
+        _require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
+        _require_positive(self, "blockwise_lr", "blockwise_quant_lr")
         if not self.quant:
             raise ValueError("--quant is required: the quantisation preset to recover")
         if self.quantizer:

@@ -6,7 +6,9 @@
 The preset's own init (round-to-nearest, MSE clipping or k-means) first; then, calibrated on the cache's
 training split (never the evaluation text): `act` re-fits each group's clipping with the error weighted by
 the mean squared activation of its input columns (AWQ-style), `gptq` rounds the weights column by column,
-pushing each rounding error onto the columns not yet quantised (Frantar et al., 2022; DESIGN §8). The result
+pushing each rounding error onto the columns not yet quantised (Frantar et al., 2022; DESIGN §8). With
+`--blockwise-steps N`, each decoder block's weights and scales are then trained for N steps to reproduce the
+teacher's block outputs (blockwise.py; resumable from out/blocks/). The result
 is a quantiser state (and, for gptq, the moved weights as integer codes) in `quantizer.safetensors`, which
 train, eval and export load with `--quantizer`.
 """
@@ -21,6 +23,7 @@ import torch
 
 from . import models
 from .cache import KDCache
+from .blockwise import reconstruct_blocks_
 from .calibration import activation_importance
 from .config import QuantizeConfig
 from .files import atomic_write_json
@@ -30,6 +33,7 @@ from .runs import QUANTIZER_FILE
 from .student import save_quantizer_state
 
 REPORT_FILE = "quantize.json"
+BLOCKS_DIR = "blocks"  # block-wise reconstruction's per-block states and progress.json
 
 
 def calibration_batches(cache_dir: str, sequences: int, batch_size: int) -> list[torch.Tensor]:
@@ -59,7 +63,8 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
     out = Path(cfg.out)
     if (out / QUANTIZER_FILE).exists() and not cfg.overwrite:
         raise ValueError(f"--out {out}: holds an init already; pass --overwrite or choose another folder")
-    batches = calibration_batches(cfg.cache, cfg.calib_sequences, cfg.batch_size) if cfg.init != "none" else []
+    calibrated = cfg.init != "none" or cfg.blockwise_steps > 0
+    batches = calibration_batches(cfg.cache, cfg.calib_sequences, cfg.batch_size) if calibrated else []
     model = models.load_causal_lm(cfg.model)
     if cfg.cache:
         KDCache(cfg.cache).check_compatible(models.load_tokenizer(cfg.model), models.vocab_size(model),
@@ -78,8 +83,15 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
         quantize_(model, preset)
     if cfg.init == "gptq":
         report["gptq"] = gptq_(model, batches, damp=cfg.damp, act_order=cfg.act_order, log=log)
+    if cfg.blockwise_steps:
+        # Every init above is deterministic, so a rerun after a stop rebuilds the same start and the blocks
+        # saved under blocks/ load instead of training again (their progress records that start's fingerprint).
+        teacher = models.load_causal_lm(cfg.model)
+        report["blockwise"] = reconstruct_blocks_(
+            model, teacher, batches, steps=cfg.blockwise_steps, lr_weights=cfg.blockwise_lr,
+            lr_quant=cfg.blockwise_quant_lr, batch_size=cfg.batch_size, state_dir=out / BLOCKS_DIR, log=log)
     report["seconds"] = round(time.perf_counter() - started, 2)
-    save_quantizer_state(model, out / QUANTIZER_FILE, codes=cfg.init == "gptq")
+    save_quantizer_state(model, out / QUANTIZER_FILE, codes=cfg.init == "gptq" or cfg.blockwise_steps > 0)
     atomic_write_json(out / REPORT_FILE, report)
     log(f"{cfg.quant} + {cfg.init} init in {report['seconds']:.0f} s: {out / QUANTIZER_FILE}")
     return report

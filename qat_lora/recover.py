@@ -1,7 +1,8 @@
 """`qat-lora recover`: the recovery recipe, stage by stage, each resumable, each stage's artefacts kept.
 
     qat-lora recover --model M --quant w2g64 --cache caches/kd --out runs/w2g64
-        runs/w2g64/init/   quantizer.safetensors + quantize.json   stage 1: preset init + GPTQ (qat-lora quantize)
+        runs/w2g64/init/   quantizer.safetensors + quantize.json   stage 1: preset init + GPTQ (qat-lora quantize),
+                           blocks/                                 then block-wise reconstruction (--blockwise-steps)
         runs/w2g64/qat/    a train run (weight-qat)                stage 2: end-to-end KD of weights + scales/zeros
         runs/w2g64/lora/   a train run (recovery-lora)             stage 3: LoRA over the stage-2 student
         runs/w2g64/recover.json                                    what to load: --quantizer and --adapter
@@ -27,9 +28,13 @@ SUMMARY_FILE = "recover.json"
 
 
 def _init_stage(cfg: RecoverConfig, log: Callable[[str], None]) -> str:
-    """Stage 1; skipped when its folder holds an init made with the same settings."""
+    """Stage 1 (and block-wise); skipped when its folder holds an init made with the same settings, resumed per
+    block when the block-wise part was interrupted."""
     init = QuantizeConfig(model=cfg.model, quant=cfg.quant, init=cfg.init, cache=cfg.cache,
-                          calib_sequences=cfg.calib_sequences, out=str(Path(cfg.out) / "init"), overwrite=True)
+                          calib_sequences=cfg.calib_sequences, blockwise_steps=cfg.blockwise_steps,
+                          blockwise_lr=cfg.blockwise_lr, blockwise_quant_lr=cfg.blockwise_quant_lr,
+                          batch_size=min(QuantizeConfig.batch_size, cfg.calib_sequences),
+                          out=str(Path(cfg.out) / "init"), overwrite=True)
     report = Path(init.out) / REPORT_FILE
     if report.exists() and (Path(init.out) / QUANTIZER_FILE).exists():
         if json.loads(report.read_text())["config"] == asdict(init):

@@ -74,6 +74,11 @@ def test_act_init_keeps_weights_and_needs_no_codes(teacher_dir, cache_dir, tmp_p
     (["--cache", "CACHE", "--calib-sequences", "100000"], "--calib-sequences 100000: the cache"),
     (["--cache", "CACHE", "--damp", "0"], "--damp 0.0: must be in (0, 1)"),
     (["--cache", "CACHE", "--quantizer", "x.safetensors"], "--quantizer: quantize builds a new init"),
+    (["--init", "none", "--blockwise-steps", "4"], "--blockwise-steps needs --cache"),
+    (["--cache", "CACHE", "--blockwise-steps", "4", "--calib-sequences", "4", "--batch-size", "8"],
+     "--batch-size 8: block-wise steps draw batches from the 4 --calib-sequences"),
+    (["--cache", "CACHE", "--blockwise-steps", "-1"], "--blockwise-steps -1: must be >= 0"),
+    (["--cache", "CACHE", "--blockwise-lr", "nan"], "--blockwise-lr nan: must be positive"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message, teacher_dir, cache_dir, tmp_path, capsys):
     argv = ["quantize", "--model", str(teacher_dir), "--quant", "w2g32", "--out", str(tmp_path / "o"),
@@ -89,3 +94,27 @@ def test_existing_init_is_not_overwritten_silently(teacher_dir, cache_dir, tmp_p
     with pytest.raises(ValueError, match="holds an init already; pass --overwrite"):
         _quantize(teacher_dir, cache_dir, tmp_path / "i", init="none")
     _quantize(teacher_dir, cache_dir, tmp_path / "i", init="none", overwrite=True)
+
+
+def test_blockwise_after_gptq_improves_the_init_and_a_rerun_loads_the_saved_blocks(teacher_dir, cache_dir, tmp_path,
+                                                                                    capsys):
+    flags = ["quantize", "--model", str(teacher_dir), "--quant", "w2g32", "--cache", str(cache_dir),
+             "--calib-sequences", "16", "--batch-size", "4", "--init", "gptq"]
+    assert main([*flags, "--out", str(tmp_path / "gptq")]) == 0
+    blockwise = [*flags, "--blockwise-steps", "8", "--blockwise-lr", "3e-3", "--out", str(tmp_path / "bw")]
+    assert main(blockwise) == 0
+    report = json.loads((tmp_path / "bw" / "quantize.json").read_text())["blockwise"]
+    assert report["blocks"] and all(b["loss_after"] < b["loss_before"] for b in report["blocks"])
+    state = load_file(str(tmp_path / "bw" / "quantizer.safetensors"))
+    assert any(k.endswith(".codes") for k in state)
+    gptq = build_student(StudentSpec(str(teacher_dir), "w2g32", str(tmp_path / "gptq" / "quantizer.safetensors")))
+    trained = build_student(StudentSpec(str(teacher_dir), "w2g32", str(tmp_path / "bw" / "quantizer.safetensors")))
+    assert _heldout_soft_ce(trained, cache_dir) < _heldout_soft_ce(gptq, cache_dir)
+    # A rerun (as after a stop) rebuilds the deterministic GPTQ start and loads every saved block, bit for bit.
+    blocks = {p: p.stat().st_mtime_ns for p in (tmp_path / "bw" / "blocks").glob("block-*.safetensors")}
+    assert blocks
+    assert main([*blockwise, "--overwrite"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in blocks} == blocks
+    again = load_file(str(tmp_path / "bw" / "quantizer.safetensors"))
+    assert again.keys() == state.keys() and all(torch.equal(again[k], state[k]) for k in state)
+    assert all(b["resumed"] for b in json.loads((tmp_path / "bw" / "quantize.json").read_text())["blockwise"]["blocks"])

@@ -58,6 +58,14 @@ def test_scale_only_qat_after_gptq_keeps_the_moved_weights(teacher_dir, cache_di
     assert codes and set(codes) <= set(trained)
 
 
+def test_blockwise_stage_runs_between_init_and_qat(teacher_dir, cache_dir, tmp_path):
+    out = recover(_cfg(teacher_dir, cache_dir, tmp_path / "run", blockwise_steps=4, qat_steps=2), **QUIET)
+    report = json.loads((tmp_path / "run" / "init" / "quantize.json").read_text())
+    assert report["config"]["blockwise_steps"] == 4 and len(report["blockwise"]["blocks"]) == 2
+    assert (tmp_path / "run" / "init" / "blocks" / "progress.json").exists()
+    assert json.loads((tmp_path / "run" / "qat" / "config.json").read_text())["quantizer"] == out["stages"]["init"]
+
+
 def test_changed_init_settings_are_refused_not_mixed(teacher_dir, cache_dir, tmp_path):
     out = tmp_path / "run"
     recover(_cfg(teacher_dir, cache_dir, out, qat="none"), **QUIET)
@@ -70,6 +78,7 @@ def test_changed_init_settings_are_refused_not_mixed(teacher_dir, cache_dir, tmp
     ("--init", "awq", "--init 'awq': choose one of"),
     ("--qat-steps", "0", "--qat-steps 0: must be positive"),
     ("--weight-lr", "nan", "--weight-lr nan: must be positive"),
+    ("--blockwise-steps", "-2", "--blockwise-steps -2: must be >= 0"),
 ])
 def test_bad_flags_are_one_line_errors(flag, value, message, teacher_dir, cache_dir, tmp_path, capsys):
     argv = ["recover", "--model", str(teacher_dir), "--quant", "w2g32", "--cache", str(cache_dir),
