@@ -7,6 +7,7 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
     teacher                the full-precision model
     ptq-rtn, ptq-init      post-training quantisation: round-to-nearest (uniform codebook for LUT presets), and the
                            best cheap init (MSE clipping search for int, k-means codebook for LUT)
+    ptq-hqq                HQQ-style data-free fit of zero and scale (half-quadratic, l_p < 1 shrinkage)
     ptq-act, ptq-gptq      data-aware inits (`qat-lora quantize`), calibrated on --calib-sequences of the top-K
                            cache's training split: activation-weighted clipping; GPTQ (the weights move)
     lora-topk-renorm       recovery LoRA on top-K targets renormalised over the K (tail dropped; the baseline)
@@ -75,7 +76,7 @@ from qat_lora.student import build_student, load_student, quantizer_state_dict, 
 from qat_lora.train import train
 
 ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override with --teacher/--train-text/--eval-text
-PTQ_INITS = {"ptq-rtn": "rtn", "ptq-init": "mse"}  # QuantConfig.init of each PTQ row
+PTQ_INITS = {"ptq-rtn": "rtn", "ptq-init": "mse", "ptq-hqq": "hqq"}  # QuantConfig.init of each PTQ row
 DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq"}  # QuantizeConfig.init of each data-aware PTQ row
 # TrainConfig fields each trained method sets on top of the shared ones; the `+lora` methods chain their first
 # stage (qat, weight-qat) and lora-topk-tail over its quantiser state.

@@ -17,7 +17,7 @@ REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", 
             "ppl_ratio", "start_init", "tokens", "wall_s", "device", "kd_kl", "kd_top1", "lora_r",
             "cache_bytes_per_token", "run_dir")
 # Every method but lora-topk-renorm (the same trainer with one more TrainConfig flag), to stay under a minute.
-METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-act", "ptq-gptq", "lora-topk-tail", "lora-sampled", "ce-only", "qat",
+METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "lora-topk-tail", "lora-sampled", "ce-only", "qat",
            "qat+lora", "weight-qat", "weight-qat+lora")
 
 
