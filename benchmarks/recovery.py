@@ -10,6 +10,8 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
     ptq-hqq                HQQ-style data-free fit of zero and scale (half-quadratic, l_p < 1 shrinkage)
     ptq-act, ptq-gptq      data-aware inits (`qat-lora quantize`), calibrated on --calib-sequences of the top-K
                            cache's training split: activation-weighted clipping; GPTQ (the weights move)
+    ptq-blockwise          GPTQ, then block-wise reconstruction (--blockwise-steps per decoder block, teacher's
+                           block outputs as targets; still no end-to-end training)
     lora-topk-renorm       recovery LoRA on top-K targets renormalised over the K (tail dropped; the baseline)
     lora-topk-tail         recovery LoRA on top-K + tail targets (the default; the only one swept over --ranks)
     lora-sampled           recovery LoRA on sampled (RS-KD) targets at about the top-K cache's bytes per token
@@ -77,7 +79,8 @@ from qat_lora.train import train
 
 ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override with --teacher/--train-text/--eval-text
 PTQ_INITS = {"ptq-rtn": "rtn", "ptq-init": "mse", "ptq-hqq": "hqq"}  # QuantConfig.init of each PTQ row
-DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq"}  # QuantizeConfig.init of each data-aware PTQ row
+# Data-aware PTQ rows -> their init (`qat-lora quantize`); "blockwise" is GPTQ then --blockwise-steps per block.
+DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq", "ptq-blockwise": "blockwise"}
 # TrainConfig fields each trained method sets on top of the shared ones; the `+lora` methods chain their first
 # stage (qat, weight-qat) and lora-topk-tail over its quantiser state.
 TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {}, "lora-sampled": {},
@@ -128,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start", default="preset", choices=STARTS,
                    help="init of every trained row: the preset's own, or a data-aware one (its PTQ row runs first)")
     p.add_argument("--calib-sequences", type=int, default=128, help="data-aware inits: calibration sequences")
+    p.add_argument("--blockwise-steps", type=int, default=100, help="ptq-blockwise: optimizer steps per block")
+    p.add_argument("--blockwise-lr", type=float, default=1e-3, help="ptq-blockwise: learning rate of the weights")
+    p.add_argument("--blockwise-quant-lr", type=float, default=1e-4,
+                   help="ptq-blockwise: learning rate of scales and zeros")
     p.add_argument("--top-k", type=int, default=32, help="top-K cache: teacher log-probs kept per position")
     p.add_argument("--value-bits", type=int, default=16, choices=(32, 16, 8), help="top-K cache: bits per log-prob")
     p.add_argument("--sampled-n", type=int, default=0,
@@ -165,8 +172,9 @@ def validate(args: argparse.Namespace) -> None:
     for flag, value in (("--eval-seq-len", args.eval_seq_len), ("--seq-len", args.seq_len)):
         if limit is not None and value > limit:
             raise ValueError(f"{flag} {value}: longer than the teacher's context ({limit} positions)")
-    for flag in ("max_steps", "batch_size", "seq_len", "cache_tokens", "eval_seq_len", "main_rank"):
-        if getattr(args, flag) <= 0:
+    for flag in ("max_steps", "batch_size", "seq_len", "cache_tokens", "eval_seq_len", "main_rank", "blockwise_steps",
+                 "blockwise_lr", "blockwise_quant_lr"):
+        if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
     if min(args.ranks) <= 0 or not 0 <= args.sampled_n <= 255:
         raise ValueError("--ranks must be positive and --sampled-n in [0, 255] (0 = matched to the top-K cache)")
@@ -293,18 +301,27 @@ def _save_quantizer(model, path: Path) -> None:
 
 def data_init_settings(args: argparse.Namespace, preset: str, init: str, caches: dict[str, dict]) -> dict:
     """Everything that changes a data-aware init (part of its file name and of its rows' keys)."""
-    return {"teacher": args.teacher, "quant": quant_config_dict(get_preset(preset)), "init": init,
-            "calib_sequences": args.calib_sequences, "calib_cache": Path(caches["topk"]["path"]).name}
+    settings = {"teacher": args.teacher, "quant": quant_config_dict(get_preset(preset)), "init": init,
+                "calib_sequences": args.calib_sequences, "calib_cache": Path(caches["topk"]["path"]).name}
+    if init == "blockwise":
+        settings.update(blockwise_steps=args.blockwise_steps, blockwise_lr=args.blockwise_lr,
+                        blockwise_quant_lr=args.blockwise_quant_lr)
+    return settings
+
+
+def _quantize_config(args: argparse.Namespace, preset: str, init: str, cache: str, out: Path) -> QuantizeConfig:
+    blockwise = dict(init="gptq", blockwise_steps=args.blockwise_steps, blockwise_lr=args.blockwise_lr,
+                     blockwise_quant_lr=args.blockwise_quant_lr) if init == "blockwise" else dict(init=init)
+    return QuantizeConfig(model=args.teacher, quant=preset, cache=cache, calib_sequences=args.calib_sequences,
+                          batch_size=args.batch_size, out=str(out), overwrite=True, **blockwise)
 
 
 def data_init(args: argparse.Namespace, preset: str, init: str, caches: dict[str, dict]) -> tuple[str, float]:
     """(the quantiser state file of a data-aware init, the seconds it took), computed once under --work."""
     folder = Path(args.work) / "init" / f"{preset}-{init}-{_digest(data_init_settings(args, preset, init, caches))}"
     path = folder / "quantizer.safetensors"
-    if not path.exists():
-        quantize(QuantizeConfig(model=args.teacher, quant=preset, init=init, cache=caches["topk"]["path"],
-                                calib_sequences=args.calib_sequences, batch_size=args.batch_size, out=str(folder),
-                                overwrite=True))
+    if not path.exists():  # an interrupted blockwise init resumes from folder/blocks/
+        quantize(_quantize_config(args, preset, init, caches["topk"]["path"], folder))
     return str(path), json.loads((folder / "quantize.json").read_text())["seconds"]
 
 

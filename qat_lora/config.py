@@ -181,10 +181,10 @@ class QuantizeConfig(StudentSpec):
     batch_size: int = field(default=8, metadata={"help": "calibration sequences per forward"})
     damp: float = field(default=0.01, metadata={"help": "gptq: damping, as a fraction of the mean Hessian diagonal"})
     act_order: bool = field(default=False, metadata={"help": "gptq: quantise columns by decreasing activation energy"})
-    blockwise_steps: int = field(default=0, metadata={"help": "block-wise reconstruction after the init: optimizer steps "
-                                                              "per decoder block (0 = off)"})
+    blockwise_steps: int = field(default=0, metadata={"help": "block-wise reconstruction after the init: optimizer "
+                                                              "steps per decoder block (0 = off)"})
     blockwise_lr: float = field(default=1e-3, metadata={"help": "block-wise: learning rate of the latent weights"})
-    blockwise_quant_lr: float = field(default=1e-4, metadata={"help": "block-wise: learning rate of scales and zeros"})
+    blockwise_quant_lr: float = field(default=1e-4, metadata={"help": "block-wise: learning rate of scales, zeros"})
     out: str = field(default="runs/init", metadata={"help": "folder for quantizer.safetensors, quantize.json and "
                                                             "blocks/ (block-wise progress)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing init in --out"})

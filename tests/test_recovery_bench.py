@@ -17,7 +17,8 @@ REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", 
             "ppl_ratio", "start_init", "tokens", "wall_s", "device", "kd_kl", "kd_top1", "lora_r",
             "cache_bytes_per_token", "run_dir")
 # Every method but lora-topk-renorm (the same trainer with one more TrainConfig flag), to stay under a minute.
-METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "lora-topk-tail", "lora-sampled", "ce-only", "qat",
+METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "ptq-blockwise",
+           "lora-topk-tail", "lora-sampled", "ce-only", "qat",
            "qat+lora", "weight-qat", "weight-qat+lora")
 
 
@@ -44,7 +45,8 @@ def tiny_args(tmp_path_factory, teacher_dir, corpus_dir) -> list[str]:
             "--work", str(root / "work"), "--json", str(root / "results" / "recovery.json"),
             "--presets", "w4g32", "--methods", *METHODS, "--ranks", "4", "--main-rank", "4",
             "--max-steps", "2", "--batch-size", "4", "--seq-len", "32", "--top-k", "8", "--cache-tokens", "3000",
-            "--eval-tokens", "600", "--eval-seq-len", "64", "--lr", "3e-3", "--qat-lr", "3e-3", "--weight-lr", "1e-3", "--calib-sequences", "8", "--device", "cpu",
+            "--eval-tokens", "600", "--eval-seq-len", "64", "--lr", "3e-3", "--qat-lr", "3e-3", "--weight-lr", "1e-3",
+            "--calib-sequences", "8", "--blockwise-steps", "4", "--device", "cpu",
             "--budget-name", "test"]
 
 
@@ -96,7 +98,10 @@ def test_gaps_follow_from_the_perplexities(first_run):
 def test_tokens_and_stages(first_run):
     by = _by_method(first_run["records"])
     assert all(by[m]["tokens"] == 0 and by[m]["run_dir"] is None
-               for m in ("teacher", "ptq-rtn", "ptq-init", "ptq-act", "ptq-gptq"))
+               for m in ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "ptq-blockwise"))
+    blockwise = json.loads((Path(by["ptq-blockwise"]["quantizer"]).parent / "quantize.json").read_text())
+    assert blockwise["config"]["blockwise_steps"] == 4 and blockwise["config"]["init"] == "gptq"
+    assert by["ptq-blockwise"]["quantizer"] != by["ptq-gptq"]["quantizer"]
     lora = by["lora-topk-tail"]
     assert lora["tokens"] == 2 * 4 * 32 and lora["steps"] == 2
     stages = by["qat+lora"]["stages"]
