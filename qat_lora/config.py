@@ -299,10 +299,17 @@ class DemoConfig:
     batch_size: int = field(default=4, metadata={"help": "sequences per step"})
     lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    init: str = field(default="gptq", metadata={"help": "data-aware init before the LoRA: gptq, act or none "
+                                                        "(docs/RESULTS.md: w3g64 GPTQ + LoRA 21.9 ppl, RTN + LoRA 25.0)"})
+    calib_sequences: int = field(default=128, metadata={"help": "calibration sequences for --init"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
 
     def __post_init__(self) -> None:
         get_preset(self.quant)
+        if self.init not in DATA_INITS:
+            raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
+        _require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size", "lr",
+                          "lora_r", "calib_sequences")
 
 
 @dataclass

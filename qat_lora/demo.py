@@ -1,34 +1,54 @@
 """`qat-lora demo`: the whole chain on SmolLM2-135M-Instruct with a budget that fits a laptop CPU.
 
-fetch assets -> teacher top-K cache on offline prose -> w3g64 round-to-nearest student -> recovery LoRA
--> held-out perplexity on Wikipedia leads for teacher, PTQ student and recovered student.
+fetch assets -> teacher top-K cache on offline prose -> w3g64 student with a GPTQ init calibrated on the cache
+(`--init`) -> recovery LoRA over it -> held-out perplexity on Wikipedia leads for the teacher, the
+round-to-nearest student, the initialised student and the recovered one. GPTQ + LoRA is the best chain that fits
+this budget (docs/RESULTS.md); the longer chains (block-wise, weight-qat) are `qat-lora recover`.
 """
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from . import device as dev
 from .cache import KDCache
 from .cache_build import build_cache
-from .config import CacheBuildConfig, DemoConfig, StudentSpec, TrainConfig
+from .config import CacheBuildConfig, DemoConfig, QuantizeConfig, StudentSpec, TrainConfig
 from .files import atomic_write_json
 from .metrics import kd_metrics, perplexity
 from .models import load_tokenizer
+from .ptq import REPORT_FILE, quantize
+from .runs import QUANTIZER_FILE
 from .student import load_student
 from .train import train
 
 
-def _ppl_row(name: str, model_path: str, quant: str, adapter: str, tokenizer, cfg: DemoConfig, eval_text: str,
-             cache: KDCache, device) -> dict:
+def _ppl_row(name: str, model_path: str, quant: str, quantizer: str, adapter: str, tokenizer, cfg: DemoConfig,
+             eval_text: str, cache: KDCache, device) -> dict:
     started = time.perf_counter()
-    model = load_student(StudentSpec(model_path, quant), adapter).to(device)
+    model = load_student(StudentSpec(model_path, quant, quantizer), adapter).to(device)
     row = {"model": name, **perplexity(model, tokenizer, [eval_text], cfg.seq_len, cfg.eval_tokens, cfg.batch_size,
                                        device)}
     row.update(kd_metrics(model, cache, cfg.batch_size, device))
     row["eval_s"] = round(time.perf_counter() - started, 1)
     print(f"  {name:10s} ppl {row['ppl']:8.3f}  KD KL {row['kd_kl']:.4f}  top-1 {row['kd_top1']:.3f}")
     return row
+
+
+def _init(cfg: DemoConfig, teacher: str, cache_dir: Path, work: Path) -> str:
+    """The data-aware init's quantiser state (computed once per settings; "" for --init none)."""
+    if cfg.init == "none":
+        return ""
+    init = QuantizeConfig(model=teacher, quant=cfg.quant, init=cfg.init, cache=str(cache_dir),
+                          calib_sequences=cfg.calib_sequences, batch_size=cfg.batch_size,
+                          out=str(work / f"init-{cfg.quant}-{cfg.init}"), overwrite=True)
+    report, path = Path(init.out) / REPORT_FILE, Path(init.out) / QUANTIZER_FILE
+    if not (path.exists() and report.exists() and json.loads(report.read_text())["config"] == asdict(init)):
+        print(f"{cfg.init} init of the {cfg.quant} student on {cfg.calib_sequences} cached sequences:")
+        quantize(init, log=lambda line: None)
+    return str(path)
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -47,22 +67,29 @@ def run_demo(cfg: DemoConfig) -> dict:
                                      holdout_fraction=0.05, batch_size=cfg.batch_size, device=cfg.device))
     cache = KDCache(cache_dir)
     tokenizer = load_tokenizer(teacher)
-    run_dir = work / f"run-{cfg.quant}"
-    summary = train(TrainConfig(model=teacher, cache=str(cache_dir), quant=cfg.quant, out=str(run_dir),
+    quantizer = _init(cfg, teacher, cache_dir, work)
+    run_dir = work / f"run-{cfg.quant}-{cfg.init}"
+    summary = train(TrainConfig(model=teacher, cache=str(cache_dir), quant=cfg.quant, quantizer=quantizer,
+                                out=str(run_dir),
                                 max_steps=cfg.max_steps, batch_size=cfg.batch_size, lr=cfg.lr, lora_r=cfg.lora_r,
                                 lora_alpha=2.0 * cfg.lora_r, warmup_steps=max(1, cfg.max_steps // 20),
                                 device=cfg.device, overwrite=True))
     print(f"held-out evaluation ({cfg.eval_tokens:,} Wikipedia tokens at context {cfg.seq_len}):")
-    rows = [_ppl_row(name, teacher, quant, adapter, tokenizer, cfg, str(assets.eval_text), cache, device)
-            for name, quant, adapter in (("teacher", "", ""), ("ptq", cfg.quant, ""),
-                                         ("recovered", cfg.quant, summary["adapter"]))]
-    teacher_ppl, ptq_ppl, rec_ppl = (r["ppl"] for r in rows)
+    students = [("teacher", "", "", ""), ("ptq", cfg.quant, "", "")]
+    if quantizer:
+        students.append((cfg.init, cfg.quant, quantizer, ""))
+    students.append(("recovered", cfg.quant, quantizer, summary["adapter"]))
+    rows = [_ppl_row(name, teacher, quant, state, adapter, tokenizer, cfg, str(assets.eval_text), cache, device)
+            for name, quant, state, adapter in students]
+    teacher_ppl, ptq_ppl, rec_ppl = rows[0]["ppl"], rows[1]["ppl"], rows[-1]["ppl"]
     gap = (ptq_ppl - rec_ppl) / (ptq_ppl - teacher_ppl) if ptq_ppl != teacher_ppl else float("nan")
     result = {"config": cfg.__dict__, "rows": rows, "gap_recovered": gap, "train": summary,
               "wall_s": round(time.perf_counter() - started, 1)}
     atomic_write_json(work / "demo.json", result)
-    print(f"\n| teacher ppl | PTQ ppl ({cfg.quant}) | recovered ppl | gap recovered | time |\n"
-          f"|---|---|---|---|---|\n"
-          f"| {teacher_ppl:.2f} | {ptq_ppl:.2f} | {rec_ppl:.2f} | {100 * gap:.1f} % | {result['wall_s'] / 60:.1f} min |")
+    init = f" {rows[2]['ppl']:.2f} |" if quantizer else " – |"
+    print(f"\n| teacher ppl | PTQ ppl ({cfg.quant}) | {cfg.init} init ppl | recovered ppl | gap recovered | time |\n"
+          f"|---|---|---|---|---|---|\n"
+          f"| {teacher_ppl:.2f} | {ptq_ppl:.2f} |{init} {rec_ppl:.2f} | {100 * gap:.1f} % | "
+          f"{result['wall_s'] / 60:.1f} min |")
     print(f"(training: {summary['tokens']:,} tokens in {summary['wall_s']:.0f} s; results in {work / 'demo.json'})")
     return result

@@ -13,12 +13,16 @@ def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, cor
     assets = Assets(root=tmp_path, teacher_dir=teacher_dir, train_text_dir=corpus_dir, eval_text=corpus_dir / "b.txt")
     monkeypatch.setattr(qat_lora.assets, "fetch_assets", lambda root=None, **_: assets)
     result = run_demo(DemoConfig(work_dir=str(tmp_path / "demo"), quant="w2g32", seq_len=32, top_k=8,
-                                 cache_tokens=6_000, eval_tokens=1_000, max_steps=5, batch_size=4, device="cpu"))
+                                 cache_tokens=6_000, eval_tokens=1_000, max_steps=5, batch_size=4, calib_sequences=32,
+                                 device="cpu"))
     saved = json.loads((tmp_path / "demo" / "demo.json").read_text())
-    assert [r["model"] for r in saved["rows"]] == ["teacher", "ptq", "recovered"]
+    assert [r["model"] for r in saved["rows"]] == ["teacher", "ptq", "gptq", "recovered"]
     assert all(r["ppl"] > 1 and r["tokens"] > 900 for r in saved["rows"])
-    teacher, ptq, _ = saved["rows"]
+    teacher, ptq, gptq, recovered = saved["rows"]
+    assert gptq["kd_kl"] < ptq["kd_kl"] and recovered["kd_kl"] < gptq["kd_kl"]  # each stage adds recovery
+    init = tmp_path / "demo" / "init-w2g32-gptq" / "quantizer.safetensors"
+    assert json.loads((tmp_path / "demo" / "run-w2g32-gptq" / "config.json").read_text())["quantizer"] == str(init)
     assert teacher["kd_top1"] > 0.99 and teacher["kd_kl"] < 1e-4  # the teacher agrees with its own cache
     assert ptq["kd_kl"] > teacher["kd_kl"]
     assert saved["gap_recovered"] == result["gap_recovered"]
-    assert "| teacher ppl | PTQ ppl (w2g32) | recovered ppl |" in capsys.readouterr().out
+    assert "| teacher ppl | PTQ ppl (w2g32) | gptq init ppl | recovered ppl |" in capsys.readouterr().out
