@@ -32,15 +32,18 @@ REPORT_FILE = "generate.json"
 SHARD = "part-{index:05d}.jsonl"
 
 
-def corpus_prompts(files: list[Path], tokenizer, prefix_tokens: int, stride: int) -> Iterator[str]:
-    """The first `prefix_tokens` tokens of every `stride`-token passage of the corpus, as text (fixed order)."""
-    for path in files:
-        for doc in data.iter_documents(path):
-            ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
-            for start in range(0, max(1, len(ids) - prefix_tokens), stride):
-                piece = ids[start:start + prefix_tokens]
-                if len(piece) == prefix_tokens:
-                    yield tokenizer.decode(piece)
+def corpus_prompts(files: list[Path], tokenizer, prefix_tokens: int, stride: int, limit: int) -> list[str]:
+    """The first `prefix_tokens` tokens of every `stride`-token passage, as text, until `limit` prompts: the
+    files are read interleaved by tokens, as build-cache reads them, so a small budget still samples each file."""
+    prompts: list[str] = []
+    for _, ids in data.tokenized_documents(files, tokenizer):
+        for start in range(0, max(1, len(ids) - prefix_tokens), stride):
+            piece = ids[start:start + prefix_tokens]
+            if len(piece) == prefix_tokens:
+                prompts.append(tokenizer.decode(piece))
+            if len(prompts) == limit:
+                return prompts
+    return prompts
 
 
 def file_prompts(path: Path) -> list[str]:
@@ -57,11 +60,11 @@ def file_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def _prompts(cfg: GenerateDataConfig, tokenizer) -> tuple[list[str], bool]:
+def _prompts(cfg: GenerateDataConfig, tokenizer, samples: int) -> tuple[list[str], bool]:
     """(prompts, chat): the prompts cycle when the budget needs more samples than there are prompts."""
     if cfg.prompts:
         return file_prompts(Path(cfg.prompts)), not cfg.raw_prompts and tokenizer.chat_template is not None
-    prompts = list(corpus_prompts(data.list_text_files(cfg.data), tokenizer, cfg.prefix_tokens, cfg.stride))
+    prompts = corpus_prompts(data.list_text_files(cfg.data), tokenizer, cfg.prefix_tokens, cfg.stride, samples)
     if not prompts:
         raise ValueError(f"--data: no passage of {cfg.prefix_tokens} tokens; lower --prefix-tokens")
     return prompts, False
@@ -118,7 +121,8 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
     out = Path(cfg.out)
     _check_out(out, cfg)
     tokenizer = models.load_tokenizer(cfg.model)
-    prompts, chat = _prompts(cfg, tokenizer)
+    samples = -(-cfg.tokens // cfg.max_new_tokens)
+    prompts, chat = _prompts(cfg, tokenizer, samples)
     model = models.load_causal_lm(cfg.model)
     device = dev.resolve_device(cfg.device)
     model.to(device).eval()
@@ -127,7 +131,6 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
         atomic_write_json(out / REPORT_FILE, {"config": asdict(cfg), "complete": False})
     # Every shard holds the same number of samples, so the budget fixes the shard count and each shard's
     # prompts and seed are known before any is generated: resumable in any order.
-    samples = -(-cfg.tokens // cfg.max_new_tokens)
     shards = -(-samples // cfg.shard_samples)
     started, tokens = time.perf_counter(), 0
     for index in range(shards):

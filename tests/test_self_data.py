@@ -10,7 +10,8 @@ import torch
 from qat_lora.cache import KDCache
 from qat_lora.cli import main
 from qat_lora.config import GenerateDataConfig
-from qat_lora.self_data import generate_data
+from qat_lora.data import list_text_files
+from qat_lora.self_data import corpus_prompts, generate_data
 
 QUIET = dict(log=lambda _: None)
 
@@ -40,8 +41,9 @@ def test_corpus_prefixes_are_continued_within_the_budget(teacher_dir, corpus_dir
     assert all(0 <= r["tokens"] <= 20 for r in records)
     assert report["generated_tokens"] == sum(r["tokens"] for r in records) <= 600
     corpus = (corpus_dir / "a.txt").read_text() + (corpus_dir / "b.txt").read_text()
-    prompts = [tokenizer.decode(tokenizer(r["text"])["input_ids"][:8]) for r in records]
-    assert all(p in corpus for p in prompts)  # each sample starts with a corpus passage
+    prompts = corpus_prompts(list_text_files([corpus_dir]), tokenizer, 8, 64, 30)
+    assert len(set(prompts)) == 30 and all(p in corpus for p in prompts)
+    assert all(r["text"].startswith(p) for r, p in zip(records, prompts))  # each sample starts with a passage
     assert any(r["text"] not in corpus for r in records)  # and goes on with the teacher's own text
 
 
