@@ -35,6 +35,7 @@ def _location(name_or_path: str | Path) -> tuple[str, dict]:
 
 
 def load_tokenizer(name_or_path: str | Path):
+    dev.keep_torch_xla_unloaded()  # importing transformers imports accelerate, which imports torch_xla
     from transformers import AutoTokenizer
 
     location, kwargs = _location(name_or_path)
