@@ -430,6 +430,11 @@ def train_stage(args: argparse.Namespace, row: Row, fields: dict) -> dict:
             "quantizer": summary["quantizer"] or fields.get("quantizer") or None}
 
 
+def _train_text_label(args: argparse.Namespace) -> list[str] | None:
+    """The training text's file or folder names; None for the default assets (older records have none)."""
+    return None if args.train_text == [str(ASSETS.train_text_dir)] else [Path(p).name for p in args.train_text]
+
+
 def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], device: torch.device) -> dict:
     """Every stage of the row, then the trained student (its last adapter over its trained quantiser, if any)."""
     stages = []
@@ -446,7 +451,8 @@ def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], dev
             "run_dir": stages[-1]["run_dir"], "stages": stages, "cache": cache["path"],
             "cache_encoding": cache["encoding"], "cache_bytes_per_token": cache["bytes_per_token"],
             "topk_cache_bytes_per_token": caches["topk"]["bytes_per_token"],  # what sampled targets are matched to
-            "cache_build_s": cache["build_s"], **evaluate_model(model, args, caches, device)}
+            "cache_build_s": cache["build_s"], "train_text": _train_text_label(args),
+            **evaluate_model(model, args, caches, device)}
 
 
 def gap_fields(record: dict, teacher: dict, ptq: dict | None) -> dict:
@@ -605,8 +611,40 @@ def plot_gaps(plt, records: list[dict], path: Path) -> Path:
     return path
 
 
-def write_plots(json_path: Path, records: list[dict]) -> list[Path]:
-    """Loss curves per preset and gap recovered per method, for the records of this budget."""
+def plot_ppl_tokens(plt, records: list[dict], path: Path) -> Path:
+    """Held-out ppl against training tokens, one panel per preset: each trained method (and the init it started
+    from) is a line through its budgets; the no-training rows are horizontal references; the teacher is black."""
+    presets = list(dict.fromkeys(r["preset"] for r in records if r["preset"] and r["tokens"]))
+    fig, axes = plt.subplots(1, max(1, len(presets)), figsize=(6.5 * max(1, len(presets)), 4.5), squeeze=False)
+    teacher = next((r["ppl"] for r in records if r["method"] == "teacher"), None)
+    for ax, preset in zip(axes[0], presets):
+        rows = [r for r in records if r["preset"] == preset]
+        for r in sorted((r for r in rows if not r["tokens"]), key=lambda r: r["ppl"])[:3]:  # the best inits
+            ax.axhline(r["ppl"], linestyle="--", linewidth=0.8, color="grey")
+            ax.annotate(f"{r['method']} {r['ppl']:.1f}", (0, r["ppl"]), fontsize=7, va="bottom")
+        lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in (r for r in rows if r["tokens"]):
+            data = ", ".join(r.get("train_text") or ["default text"])
+            lines.setdefault((f"{_label(r)} from {r['start_init']}", data), []).append((r["tokens"], r["ppl"]))
+        datas = list(dict.fromkeys(data for _, data in lines))
+        for (label, data), points in lines.items():
+            points.sort()
+            suffix = f" ({data})" if len(datas) > 1 else ""
+            ax.plot([t for t, _ in points], [p for _, p in points], marker="o", label=label + suffix)
+        if teacher:
+            ax.axhline(teacher, color="black", linewidth=0.8)
+        ax.set(xlabel="training tokens", ylabel="held-out ppl (log)", yscale="log", title=preset)
+        ax.set_xlim(left=0)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(json_path: Path, records: list[dict], every_budget: list[dict]) -> list[Path]:
+    """Loss curves per preset and gap recovered per method for the records of this budget; ppl against
+    training tokens over every budget."""
     try:
         import matplotlib
 
@@ -622,6 +660,8 @@ def write_plots(json_path: Path, records: list[dict]) -> list[Path]:
         paths.append(plot_curves(plt, preset, trained, Path(f"{stem}_loss_{preset}.png")))
     if any(r["preset"] for r in records):
         paths.append(plot_gaps(plt, records, Path(f"{stem}_gap.png")))
+    if any(r["tokens"] for r in every_budget):
+        paths.append(plot_ppl_tokens(plt, every_budget, Path(f"{stem}_ppl_tokens.png")))
     return paths
 
 
@@ -654,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(markdown_table(results["records"]))
     write_markdown(json_path, results["records"])
     this_budget = [r for r in results["records"] if r["budget"] == args.budget_name]
-    for path in write_plots(json_path, this_budget):
+    for path in write_plots(json_path, this_budget, results["records"]):
         print(f"wrote {path}")
     return results
 

@@ -154,6 +154,7 @@ def test_markdown_table_and_plots(first_run, tiny_args):
     pytest.importorskip("matplotlib")
     assert (json_path.parent / "recovery_gap.png").stat().st_size > 0
     assert (json_path.parent / "recovery_loss_w4g32.png").stat().st_size > 0
+    assert (json_path.parent / "recovery_ppl_tokens.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("flag, value, message", [
