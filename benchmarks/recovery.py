@@ -451,8 +451,7 @@ def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], dev
             "run_dir": stages[-1]["run_dir"], "stages": stages, "cache": cache["path"],
             "cache_encoding": cache["encoding"], "cache_bytes_per_token": cache["bytes_per_token"],
             "topk_cache_bytes_per_token": caches["topk"]["bytes_per_token"],  # what sampled targets are matched to
-            "cache_build_s": cache["build_s"], "train_text": _train_text_label(args),
-            **evaluate_model(model, args, caches, device)}
+            "cache_build_s": cache["build_s"], **evaluate_model(model, args, caches, device)}
 
 
 def gap_fields(record: dict, teacher: dict, ptq: dict | None) -> dict:
@@ -491,7 +490,7 @@ def run_row(args: argparse.Namespace, row: Row, key: str, caches: dict[str, dict
         result = run_trained(args, row, caches, device)
     record = {"key": key, "budget": args.budget_name, "preset": row.preset, "method": row.method,
               "lora_r": row.lora_r, "device": device_label(device), "eval_seq_len": args.eval_seq_len,
-              "cache_bytes_per_token": None, "run_dir": None, **result,
+              "cache_bytes_per_token": None, "run_dir": None, "train_text": _train_text_label(args), **result,
               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
     teacher = record if row.preset is None else done[row_key(args, Row(None, "teacher"), caches)]
     ptq = None if row.preset is None else (
