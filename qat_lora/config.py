@@ -324,8 +324,8 @@ class GenerateDataConfig:
     raw_prompts: bool = field(default=False, metadata={"help": "--prompts as plain text, without the chat template"})
     prefix_tokens: int = field(default=32, metadata={"help": "--data: prompt tokens taken from each passage"})
     stride: int = field(default=256, metadata={"help": "--data: tokens between the passages prompts are taken from"})
-    tokens: int = field(default=100_000, metadata={"help": "generated-token budget (samples = tokens / "
-                                                           "max-new-tokens; an early EOS leaves fewer)"})
+    tokens: int = field(default=100_000, metadata={"help": "generated tokens to write (prompts not counted); "
+                                                           "sampling goes on until the budget is met"})
     max_new_tokens: int = field(default=224, metadata={"help": "tokens sampled per prompt"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (1 = the teacher's own "
                                                               "distribution, which KD matches)"})

@@ -121,40 +121,46 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
     out = Path(cfg.out)
     _check_out(out, cfg)
     tokenizer = models.load_tokenizer(cfg.model)
-    samples = -(-cfg.tokens // cfg.max_new_tokens)
-    prompts, chat = _prompts(cfg, tokenizer, samples)
+    # Corpus prompts for a few times the samples a full-length budget needs; an early EOS (short answers)
+    # needs more samples, and the prompts then cycle with fresh seeds.
+    prompts, chat = _prompts(cfg, tokenizer, 4 * -(-cfg.tokens // cfg.max_new_tokens))
     model = models.load_causal_lm(cfg.model)
     device = dev.resolve_device(cfg.device)
     model.to(device).eval()
     out.mkdir(parents=True, exist_ok=True)
     if not (out / REPORT_FILE).exists():  # the settings first, so a rerun with others is refused, not mixed
         atomic_write_json(out / REPORT_FILE, {"config": asdict(cfg), "complete": False})
-    # Every shard holds the same number of samples, so the budget fixes the shard count and each shard's
-    # prompts and seed are known before any is generated: resumable in any order.
-    shards = -(-samples // cfg.shard_samples)
-    started, tokens = time.perf_counter(), 0
-    for index in range(shards):
+    # Shards of shard_samples samples until the token budget is met: shard i's prompts (samples i*n ..) and
+    # seeds depend only on i, so a rerun skips the finished shards and continues exactly where it stopped.
+    started, tokens, samples, index = time.perf_counter(), 0, 0, 0
+    while tokens < cfg.tokens:
         path = out / SHARD.format(index=index)
         if path.exists():
-            tokens += sum(json.loads(line)["tokens"] for line in path.read_text().splitlines())
+            done = [json.loads(line)["tokens"] for line in path.read_text().splitlines()]
+            tokens, samples, index = tokens + sum(done), samples + len(done), index + 1
             continue
         first = index * cfg.shard_samples
-        batch_prompts = [prompts[i % len(prompts)] for i in range(first, min(samples, first + cfg.shard_samples))]
+        shard_prompts = [prompts[i % len(prompts)] for i in range(first, first + cfg.shard_samples)]
         lines = []
-        for b in range(0, len(batch_prompts), cfg.batch_size):
-            chunk = batch_prompts[b:b + cfg.batch_size]
+        for b in range(0, len(shard_prompts), cfg.batch_size):
+            if tokens >= cfg.tokens:  # the last shard stops at the budget (a prefix of a full shard)
+                break
+            chunk = shard_prompts[b:b + cfg.batch_size]
             for prompt, ids in zip(chunk, _sample(model, tokenizer, _encode(tokenizer, chunk, chat), cfg, device,
                                                   cfg.seed + 1000 * index + b)):
                 record = _record(prompt, tokenizer.decode(ids, skip_special_tokens=True), chat)
                 lines.append(json.dumps({**record, "tokens": len(ids)}, ensure_ascii=False))
                 tokens += len(ids)
+        if not any(json.loads(line)["tokens"] for line in lines):
+            raise ValueError(f"--model {cfg.model}: every sample of {path.name} ended at once (EOS first); use "
+                             "other prompts, --raw-prompts or a higher --temperature")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
         os.replace(tmp, path)
+        samples, index = samples + len(lines), index + 1
         log(f"{path.name}: {len(lines)} samples, {tokens:,} tokens so far ({time.perf_counter() - started:.0f} s)")
     report = {"config": asdict(cfg), "complete": True, "prompts": len(prompts), "chat": chat, "samples": samples,
-              "shards": shards,
-              "generated_tokens": tokens, "seconds": round(time.perf_counter() - started, 1)}
+              "shards": index, "generated_tokens": tokens, "seconds": round(time.perf_counter() - started, 1)}
     atomic_write_json(out / REPORT_FILE, report)
     log(f"{tokens:,} generated tokens in {samples} samples: {out} (build a cache with --data {out}"
         + (" --chat)" if chat else ")"))
