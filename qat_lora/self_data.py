@@ -11,7 +11,8 @@ own distribution, which is what distillation matches). The output is jsonl shard
 continuation; chat prompts as {"messages"}, read by build-cache --chat) plus generate.json (settings first,
 then the totals). Each shard has its
 own seed and is written under a temp name, then renamed: a rerun after a stop skips the finished shards and
-produces the same files as an uninterrupted run (on the same device).
+produces the same files as an uninterrupted run (on the same device). A larger --tokens on the same folder
+continues the corpus (the earlier run's last shard stays as the budget cut it).
 """
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
         raise ValueError(f"--out {out}: is a file; pass a folder")
     report = out / REPORT_FILE
     if report.exists():
-        if json.loads(report.read_text())["config"] != asdict(cfg):
+        # The budget may grow: shard i does not depend on it, so a larger --tokens continues the corpus.
+        if {**json.loads(report.read_text())["config"], "tokens": cfg.tokens} != asdict(cfg):
             raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder")
     elif out.exists() and any(p.name != REPORT_FILE and not p.name.startswith("part-") for p in out.iterdir()):
         raise ValueError(f"--out {out}: holds other files; pass an empty or new folder")
@@ -128,8 +130,8 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
     device = dev.resolve_device(cfg.device)
     model.to(device).eval()
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / REPORT_FILE).exists():  # the settings first, so a rerun with others is refused, not mixed
-        atomic_write_json(out / REPORT_FILE, {"config": asdict(cfg), "complete": False})
+    # The settings first, so a rerun with others is refused, not mixed.
+    atomic_write_json(out / REPORT_FILE, {"config": asdict(cfg), "complete": False})
     # Shards of shard_samples samples until the token budget is met: shard i's prompts (samples i*n ..) and
     # seeds depend only on i, so a rerun skips the finished shards and continues exactly where it stopped.
     started, tokens, samples, index = time.perf_counter(), 0, 0, 0

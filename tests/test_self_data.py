@@ -77,6 +77,16 @@ def test_short_answers_are_made_up_by_more_samples(teacher_dir, corpus_dir, tmp_
         generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "empty", tokens=100), **QUIET)
 
 
+def test_a_larger_budget_continues_the_corpus(teacher_dir, corpus_dir, tmp_path):
+    out = tmp_path / "self"
+    small = generate_data(_cfg(teacher_dir, corpus_dir, out, tokens=300), **QUIET)
+    first = {p.name: p.read_text() for p in out.glob("part-*.jsonl")}
+    large = generate_data(_cfg(teacher_dir, corpus_dir, out, tokens=600), **QUIET)
+    assert large["generated_tokens"] >= 600 > small["generated_tokens"] and large["shards"] > small["shards"]
+    assert all((out / name).read_text() == text for name, text in first.items())  # extended, not redone
+    assert json.loads((out / "generate.json").read_text())["config"]["tokens"] == 600
+
+
 def test_other_settings_in_the_same_folder_are_refused(teacher_dir, corpus_dir, tmp_path):
     generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "self", tokens=100), **QUIET)
     with pytest.raises(ValueError, match="holds a corpus generated with other settings"):
