@@ -284,6 +284,7 @@ def _reconstruct_block_(model: nn.Module, layer: nn.Module, index: int, inputs: 
     if index < len(done):
         _load_block_(path, prefix, layer)
         return {**done[index], "resumed": True, "outputs": _run(layer, inputs, kwargs, batch_size)}
+    start = [t.detach().clone() for m in modules for t in (m.weight, *m.quant_parameters().values())]
     before = F.mse_loss(_run(layer, inputs, kwargs, batch_size), targets).item()
     if modules and settings["steps"] > 0:
         _train_block_(layer, modules, inputs, targets, kwargs[batch_size], steps=settings["steps"],
@@ -292,8 +293,18 @@ def _reconstruct_block_(model: nn.Module, layer: nn.Module, index: int, inputs: 
     for module in modules:
         _snap_to_grid_(module)
     outputs = _run(layer, inputs, kwargs, batch_size)
+    reverted = F.mse_loss(outputs, targets).item() > before
+    if reverted:  # the trained block came out worse (seen once in 30 SmolLM2 blocks at w2g64): keep the start
+        with torch.no_grad():
+            for t, saved in zip((t for m in modules for t in (m.weight, *m.quant_parameters().values())), start):
+                t.copy_(saved)
+        for module in modules:
+            module._cached_wq = None
+            _snap_to_grid_(module)
+        outputs = _run(layer, inputs, kwargs, batch_size)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         _save_block(path, prefix, layer)
     return {"index": index, "loss_before": before, "loss_after": F.mse_loss(outputs, targets).item(),
-            "seconds": round(time.perf_counter() - started, 3), "resumed": False, "outputs": outputs}
+            "reverted": reverted, "seconds": round(time.perf_counter() - started, 3), "resumed": False,
+            "outputs": outputs}

@@ -163,3 +163,14 @@ def test_students_the_stage_cannot_reconstruct_are_one_line_errors(teacher_dir, 
     low_rank = quantize_(models.load_causal_lm(teacher_dir), QuantConfig(bits=2, group_size=32, scale_rank=2))
     with pytest.raises(ValueError, match="scale_rank > 0"):
         reconstruct_blocks_(low_rank, teacher, batches, **SETTINGS, **QUIET)
+
+
+def test_a_block_that_training_makes_worse_keeps_its_start(teacher_dir, batches):
+    # An absurd weight learning rate throws every block off its teacher: each must come back as it started.
+    student, start = _student(teacher_dir), _student(teacher_dir)
+    report = reconstruct_blocks_(student, models.load_causal_lm(teacher_dir), batches,
+                                 **{**SETTINGS, "steps": 5, "lr_weights": 10.0}, **QUIET)
+    assert all(b["reverted"] and b["loss_after"] == pytest.approx(b["loss_before"], rel=1e-6)
+               for b in report["blocks"])
+    for name, module in _fake_quant(student).items():
+        assert torch.equal(module.quantized_weight(), _fake_quant(start)[name].quantized_weight())
