@@ -512,6 +512,22 @@ def load_results(path: Path) -> dict:
     return results
 
 
+def add_record(path: Path, record: dict) -> dict:
+    """Append one record to the results file and return its new contents. The file is read again under a lock
+    first: several benchmark processes may share one --json, and each must add its rows to what the others
+    wrote meanwhile, never write back the copy it read at its start (that lost rows once)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = load_results(path)
+        records = [r for r in results["records"] if r["key"] != record["key"]]
+        results = {"host": host_info(), "records": [*records, record]}
+        atomic_write_json(path, results)
+    return results
+
+
 def host_info() -> dict:
     return {"machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
@@ -686,8 +702,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(f"{row.label}: running")
         record = run_row(args, row, key, caches, device, done)
         done[key] = record
-        results = {"host": host_info(), "records": [*results["records"], record]}
-        atomic_write_json(json_path, results)
+        results = add_record(json_path, record)
         print(f"{row.label}: ppl {record['ppl']:.3f}, gap recovered {_fmt(record['gap_recovered'], '%')}, "
               f"{record['tokens']:,} tokens, {record['wall_s']:.1f} s")
     print(markdown_table(results["records"]))

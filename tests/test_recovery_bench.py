@@ -215,3 +215,25 @@ def test_searched_init_is_computed_once_by_the_start_row(recovery, first_run, ti
     saved = load_file(str(init_file))
     fresh = quantizer_state_dict(real_build(StudentSpec(str(teacher_dir), "w2g32")))
     assert saved.keys() == fresh.keys() and all(torch.equal(saved[k], fresh[k]) for k in fresh)
+
+
+def test_rows_written_by_another_process_meanwhile_are_kept(recovery, first_run, tiny_args, tmp_path, monkeypatch):
+    # Two benchmark commands sharing one --json: each adds its rows to the file as it is now, never writes back
+    # the copy it read at its start (that lost the block-wise rows once).
+    args = list(tiny_args)
+    json_path = tmp_path / "shared.json"
+    args[args.index("--json") + 1] = str(json_path)
+    methods = args.index("--methods")
+    args[methods + 1:methods + 1 + len(METHODS)] = ["teacher", "ptq-rtn"]
+    real_run_row = recovery.run_row
+
+    def meanwhile(*a, **kw):
+        other = {**first_run["records"][0], "budget": "other"}  # a row of another command
+        recovery.add_record(json_path, {**other, "key": f"other/{len(recovery.load_results(json_path)['records'])}"})
+        return real_run_row(*a, **kw)
+
+    monkeypatch.setattr(recovery, "run_row", meanwhile)
+    recovery.main(args)
+    keys = [r["key"] for r in recovery.load_results(json_path)["records"]]
+    assert keys[0] == "other/0" and keys[2] == "other/2" and len(keys) == 4
+    assert {recovery.load_results(json_path)["records"][i]["method"] for i in (1, 3)} == {"teacher", "ptq-rtn"}
