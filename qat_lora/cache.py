@@ -257,7 +257,9 @@ def inspect_cache(path: str | Path) -> dict:
             "tokens": {s: i["tokens"] for s, i in m["splits"].items()},
             "bytes": total_bytes, "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
             "teacher": m["teacher"]["name_or_path"], "teacher_weights_sha256": m["teacher"]["weights_sha256"],
-            "tokenizer_sha256": m["tokenizer_sha256"], "world_size": m.get("world_size", 1)}
+            "tokenizer_sha256": m["tokenizer_sha256"], "world_size": m.get("world_size", 1),
+            # Caches built before these were recorded ran the teacher in fp32 at the backend's matmul precision.
+            "teacher_dtype": m.get("teacher_dtype", "fp32"), "matmul_precision": m.get("matmul_precision", "default")}
 
 
 def batches_per_epoch(cache: KDCache, batch_size: int, rank: int = 0, world_size: int = 1) -> int:

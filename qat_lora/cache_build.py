@@ -29,6 +29,9 @@ from .config import CacheBuildConfig
 from .files import atomic_write_json, sha256_file
 
 
+_TEACHER_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.TEACHER_DTYPES
+
+
 def _row_seed(seed: int, split: str, row: int) -> int:
     digest = hashlib.sha256(f"{seed}/{split}/{row}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
@@ -160,6 +163,14 @@ def _load_teacher(cfg: CacheBuildConfig):
     return tokenizer, teacher
 
 
+def _teacher_to(teacher: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Parameters to `dtype` on `device`; buffers stay fp32, as from_pretrained(dtype=...) leaves them (the
+    rotary frequencies in bf16 would shift every position's angle)."""
+    for param in teacher.parameters():
+        param.data = param.data.to(dtype)
+    teacher.to(device)
+
+
 def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Path:
     """Run the teacher over this rank's sequences and write its shards; with one rank also the manifest.
 
@@ -177,7 +188,8 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     packed = _tokenise(cfg, files, tokenizer)
     out = _prepare_out(cfg)
     device = dev.prepare_process(dev.resolve_device(cfg.device))
-    teacher.to(device)
+    identity = models.model_fingerprint(teacher, cfg.teacher)  # of the weights as stored, whatever --dtype runs
+    _teacher_to(teacher, device, _TEACHER_DTYPE[cfg.dtype])
     encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
     progress_path = out / f"progress-r{cfg.rank:03d}.json"
     progress = _load_progress(cfg, out, progress_path)
@@ -191,14 +203,17 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     started = time.perf_counter()
     with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher") as bar:
         bar.update(sum(int(packed[s][1][mine[s][:done[s]]].sum()) for s in data.SPLITS))
-        for split in data.SPLITS:
-            _build_split(cfg, teacher, device, encoding, split, packed[split], mine[split], done[split], writer, bar)
+        with dev.matmul_precision(device, cfg.matmul_precision):
+            for split in data.SPLITS:
+                _build_split(cfg, teacher, device, encoding, split, packed[split], mine[split], done[split], writer, bar)
     writer.close()
+    if dev.is_xla(device):
+        log(f"XLA: {json.dumps(dev.compile_metrics())}")
     elapsed = time.perf_counter() - started
     partial = {"rank": cfg.rank, "world_size": cfg.world_size, "shards": progress["shards"],
                "sequences": {s: len(packed[s][0]) for s in data.SPLITS},
                "tokens": {s: int(packed[s][1].sum()) for s in data.SPLITS},
-               "header": _header(cfg, files, teacher, tokenizer, vocab, encoding),
+               "header": _header(cfg, files, identity, tokenizer, vocab, encoding),
                "seconds": round(elapsed, 2)}
     path = out / f"manifest-r{cfg.rank:03d}.json"
     atomic_write_json(path, partial)
@@ -219,7 +234,9 @@ def _build_split(cfg, teacher, device, encoding, split: str, packed: tuple[np.nd
             with torch.no_grad():
                 logits = teacher(input_ids=torch.from_numpy(ids).to(device)).logits
             seeds = [_row_seed(cfg.seed, split, int(r)) for r in batch_rows]
-            selected += encoding.select(logits[:len(batch_rows)], seeds)
+            # The whole padded batch is selected (a short last batch compiles no second graph on XLA); select
+            # fetches its results in one transfer, which runs the batch's graph once, and drops the pad rows.
+            selected += encoding.select(logits, seeds)
             bar.update(int(mask[batch_rows].sum()))
         name = f"{split}-r{cfg.rank:03d}-{shard_start // cfg.shard_sequences:05d}.safetensors"
         base = {"input_ids": input_ids[shard_rows].astype(np.int32), "attention_mask": mask[shard_rows]}
@@ -227,10 +244,11 @@ def _build_split(cfg, teacher, device, encoding, split: str, packed: tuple[np.nd
         writer.submit(split, name, base, selected, span)
 
 
-def _header(cfg: CacheBuildConfig, files: list[Path], teacher, tokenizer, vocab: int, encoding) -> dict:
-    return {"schema_version": SCHEMA_VERSION, "teacher": models.model_fingerprint(teacher, cfg.teacher),
+def _header(cfg: CacheBuildConfig, files: list[Path], identity: dict, tokenizer, vocab: int, encoding) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "teacher": identity,
             "tokenizer_sha256": models.tokenizer_hash(tokenizer), "vocab_size": vocab, "seq_len": cfg.seq_len,
-            "encoding": encoding.params(), "corpus_sha256": data.corpus_fingerprint(files),
+            "encoding": encoding.params(), "teacher_dtype": cfg.dtype, "matmul_precision": cfg.matmul_precision,
+            "corpus_sha256": data.corpus_fingerprint(files),
             "builder": {"version": __version__, "args": {k: v for k, v in asdict(cfg).items()
                                                          if k not in ("rank", "resume", "overwrite")}}}
 

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import device as dev
 from .files import sha256_file
 from .runs import CHECKPOINT_PREFIX as PREFIX
 
@@ -36,12 +37,19 @@ RESUME_FREE_FIELDS = ("out", "overwrite", "resume", "device", "log_steps", "save
                       "eval_steps", "xla_cache_dir", "dist_timeout_s")
 
 
-def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+def _to_host(groups: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of every group on the CPU, in one device-to-host transfer on XLA (not one per tensor)."""
+    names = [(group, name) for group, tensors in groups.items() for name in tensors]
+    host = dev.to_host([groups[group][name] for group, name in names])
+    out: dict[str, dict[str, torch.Tensor]] = {group: {} for group in groups}
+    for (group, name), tensor in zip(names, host):
+        out[group][name] = tensor.contiguous()
+    return out
 
 
 def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split `optimizer.state_dict()` into named tensors and a JSON-ready rest."""
+    """Split `optimizer.state_dict()` into named tensors (left on their device: `save_checkpoint` moves all of
+    a checkpoint's tensors at once) and a JSON-ready rest."""
     state = optimizer.state_dict()
     tensors, extra = {}, {}
     for index, values in state["state"].items():
@@ -50,7 +58,7 @@ def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
                 tensors[f"state.{index}.{key}"] = value
             else:
                 extra.setdefault(str(index), {})[key] = value
-    return _cpu(tensors), {"param_groups": state["param_groups"], "state": extra}
+    return tensors, {"param_groups": state["param_groups"], "state": extra}
 
 
 def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
@@ -102,8 +110,8 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torch
     tmp = run_dir / f".{PREFIX}{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name, group in tensors.items():
-        save_file(_cpu(group), str(tmp / name))
+    for name, group in _to_host(tensors).items():
+        save_file(group, str(tmp / name))
     if write_extra is not None:
         write_extra(tmp)
     # Checksums of everything above, in the state written last: a flipped byte is found, not resumed.

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .device import MATMUL_PRECISIONS
 from .encodings import SampledEncoding, TopKEncoding
 from .loss import KDLossConfig
 from .quant import get_preset
@@ -346,6 +347,12 @@ class GenerateDataConfig:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
 
 
+TEACHER_DTYPES = ("fp32", "bf16")
+# Build flags added after caches existed, at the value that reproduces those caches: left out of the
+# fingerprint at that value, so an interrupted build from before them still resumes.
+_LATER_BUILD_FIELDS = {"dtype": "fp32", "matmul_precision": "default"}
+
+
 @dataclass
 class CacheBuildConfig:
     teacher: str = field(default="", metadata={"help": "teacher: transformers folder, .gguf file or hub name"})
@@ -360,6 +367,11 @@ class CacheBuildConfig:
     batch_size: int = field(default=8, metadata={"help": "sequences per teacher forward"})
     holdout_fraction: float = field(default=0.02, metadata={"help": "fraction of documents held out, by hash"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+    dtype: str = field(default="fp32", metadata={"help": "teacher weights and activations: fp32 or bf16 (the "
+                                                         "log-softmax is fp32 either way)"})
+    matmul_precision: str = field(default="default", metadata={
+        "help": "fp32 matmuls: default (the backend's: one bf16 pass on TPU, full fp32 on CPU/CUDA), high "
+                "(TPU: 3 passes; CUDA: TF32) or highest (TPU: 6 passes, ~fp32)"})
     text_field: str = field(default="text", metadata={"help": "text key of .jsonl records and datasets"})
     chat: bool = field(default=False, metadata={"help": "records hold `messages`: render them with the chat template"})
     shard_sequences: int = field(default=1024, metadata={"help": "sequences per shard file"})
@@ -377,6 +389,10 @@ class CacheBuildConfig:
             raise ValueError(f"--rank {self.rank}: must be in [0, --world-size {self.world_size})")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
+        if self.dtype not in TEACHER_DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose {' or '.join(TEACHER_DTYPES)}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"--matmul-precision {self.matmul_precision!r}: choose one of {', '.join(MATMUL_PRECISIONS)}")
         self.target_encoding()
 
     def target_encoding(self) -> TopKEncoding | SampledEncoding:
@@ -389,6 +405,9 @@ class CacheBuildConfig:
     def fingerprint(self) -> str:
         """What must match for --resume to continue a build (everything but resume/overwrite/device)."""
         args = {k: v for k, v in asdict(self).items() if k not in ("resume", "overwrite", "device")}
+        for name, default in _LATER_BUILD_FIELDS.items():  # builds started before these existed still resume
+            if args[name] == default:
+                del args[name]
         return hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
 
 

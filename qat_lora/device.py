@@ -1,5 +1,6 @@
 """Device specifics, in one place: choice and per-process binding, host allocator, autocast, graph cuts,
-step closures, compile counters and cache, memory figures, activation checkpointing.
+step closures, batched device-to-host transfers, matmul precision, what an op lowers to (generators,
+searchsorted), compile counters and cache, memory figures, activation checkpointing.
 
 torch_xla is imported lazily, only when the XLA device is asked for, so the library imports on machines
 without it. Components stay device-agnostic and call these helpers; the collectives of several processes
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -177,7 +178,8 @@ def seed_everything(seed: int) -> None:
 
 
 def compile_metrics() -> dict:
-    """XLA compile counters from torch_xla.debug.metrics ({} when torch_xla is not in use)."""
+    """XLA counters from torch_xla.debug.metrics: compiles, graph executions, device-to-host transfers, ops that
+    fell back to the CPU ({} when torch_xla is not in use)."""
     import sys
 
     if "torch_xla" not in sys.modules:
@@ -189,6 +191,8 @@ def compile_metrics() -> dict:
         "graphs_compiled": int(compile_time[0]) if compile_time else 0,
         "compile_seconds": float(compile_time[1]) / 1e9 if compile_time else 0.0,
         "uncached_compiles": int(met.counter_value("UncachedCompile") or 0),
+        "graph_executions": int((met.metric_data("ExecuteTime") or (0,))[0]),
+        "transfers_from_device": int((met.metric_data("TransferFromDeviceTime") or (0,))[0]),
         "cpu_fallback_ops": sorted(name for name in met.counter_names() if name.startswith("aten::")),
     }
 
@@ -225,9 +229,81 @@ def memory_stats(device: torch.device) -> dict:
     return {"memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
 
 
+def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached CPU copies of `tensors`, in order. On XLA all of them come in ONE device-to-host transfer, and
+    their pending graph runs once for all (a `.cpu()` each would be a transfer each, and may rerun the graph);
+    elsewhere one `.cpu()` each (a CPU tensor is returned as it is).
+    """
+    on_xla = [t.detach() for t in tensors if is_xla(t.device)]
+    fetched = iter(())
+    if on_xla:
+        import torch_xla
+
+        fetched = iter(torch_xla._XLAC._xla_get_cpu_tensors(on_xla))  # what xm.save does, minus the pickling
+    return [next(fetched) if is_xla(t.device) else t.detach().cpu() for t in tensors]
+
+
 def state_dict_to_cpu(state: dict) -> dict:
-    """Tensors of a state dict moved to the CPU (save_pretrained of a model living on XLA fails otherwise)."""
-    return {k: v.detach().to("cpu") if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    """Tensors of a state dict moved to the CPU in one transfer (save_pretrained of a model living on XLA fails
+    otherwise)."""
+    keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+    return {**state, **dict(zip(keys, to_host([state[k] for k in keys])))}
+
+
+def has_device_generator(device: torch.device) -> bool:
+    """Whether `torch.Generator(device=device)` exists there: torch_xla has no per-device generator objects."""
+    return not is_xla(device)
+
+
+def searchsorted_is_native(device: torch.device) -> bool:
+    """Whether torch.searchsorted runs on `device` itself: XLA has no lowering and falls back to the CPU (a host
+    round trip inside the graph), so callers use a compare-and-sum there."""
+    return not is_xla(device)
+
+
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
+
+@contextlib.contextmanager
+def matmul_precision(device: torch.device, precision: str):
+    """fp32 matmul precision inside the block, restored after it (the setting is process-wide).
+
+    `default` keeps the backend's own (TPU: one bf16 pass per fp32 matmul; CPU and CUDA: full fp32); `high`
+    and `highest` go to torch_xla.backends.set_mat_mul_precision on XLA (TPU: 3 and 6 bf16 passes), to
+    torch.set_float32_matmul_precision elsewhere (CUDA: `high` allows TF32).
+    """
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"--matmul-precision {precision!r}: choose one of {', '.join(MATMUL_PRECISIONS)}")
+    if precision == "default":
+        yield
+        return
+    if is_xla(device):
+        import torch_xla.backends as xb
+
+        get, set_ = xb.get_mat_mul_precision, xb.set_mat_mul_precision
+    else:
+        get, set_ = torch.get_float32_matmul_precision, torch.set_float32_matmul_precision
+
+    def quietly(fn: Callable, *args):  # both warn on every call (torch: a deprecation; torch_xla: "set once")
+        import logging
+        import warnings
+
+        xla_log = logging.getLogger("torch_xla.backends")
+        level = xla_log.level
+        xla_log.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return fn(*args)
+        finally:
+            xla_log.setLevel(level)
+
+    before = quietly(get)
+    quietly(set_, precision)
+    try:
+        yield
+    finally:
+        quietly(set_, before)
 
 
 def checkpoint_fn(device: torch.device) -> Callable:

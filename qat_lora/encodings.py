@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import device as dev
+
 # Delta step (nats) per value width. Decoded log-probs are within step/2 of the teacher's, so each stored
 # probability is within a factor exp(step/2) of the truth: 16 bits: 1.00024 (range 32 nats below the
 # top-1), 8 bits: 1.032 (range 15.9 nats; anything further is clamped to the range's end).
@@ -63,9 +65,13 @@ class TopKEncoding:
 
     @torch.no_grad()
     def select(self, logits: torch.Tensor, seeds: list[int]) -> list[dict[str, np.ndarray]]:
-        """On the teacher's device: logits [B, L, V] -> per row the top-K log-probs and ids [L, K] (no seeds needed)."""
+        """On the teacher's device: logits [B, L, V] -> the top-K log-probs and ids [L, K] of the first
+        len(seeds) rows (the seeds are not needed otherwise). The rows after them are padding: the whole
+        batch is selected (one graph shape for every batch on XLA) and the padding dropped on the host."""
         values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.top_k, dim=-1)
-        return [{"values": v, "ids": i} for v, i in zip(values.cpu().numpy(), ids.cpu().numpy())]
+        values, ids = dev.to_host([values, ids])  # one transfer; on XLA the teacher's graph runs here, once
+        rows = len(seeds)
+        return [{"values": v, "ids": i} for v, i in zip(values[:rows].numpy(), ids[:rows].numpy())]
 
     def pack_row(self, selected: dict[str, np.ndarray], vocab_size: int) -> dict[str, np.ndarray]:
         """CPU side (the background writer): quantise values, bit-pack ids."""
@@ -116,15 +122,19 @@ class SampledEncoding:
 
     @torch.no_grad()
     def select(self, logits: torch.Tensor, seeds: list[int]) -> list[dict[str, np.ndarray]]:
-        """On the teacher's device, one generator per row (seeded by `seeds`), so a row's draws never
-        depend on which rows share its batch. Returns per row the draws [L, N]."""
+        """Logits [B, L, V] -> per row of the first len(seeds) (the rest is padding) the draws [L, N], from one
+        generator per row seeded by `seeds`, so a row's draws never depend on which rows share its batch.
+
+        The draws happen on the teacher's device where it has generators (CPU, CUDA); on XLA, which has none,
+        the logits come to the host in one transfer and are drawn there exactly as on the CPU.
+        """
+        if not dev.has_device_generator(logits.device):
+            (logits,) = dev.to_host([logits])
         probs = torch.softmax(logits.float(), dim=-1)
-        rows = []
-        for row_probs, seed in zip(probs, seeds):
-            generator = torch.Generator(device=row_probs.device).manual_seed(seed)
-            draws = torch.multinomial(row_probs, self.num_samples, replacement=True, generator=generator)
-            rows.append({"draws": draws.cpu().numpy()})
-        return rows
+        draws = [torch.multinomial(row_probs, self.num_samples, replacement=True,
+                                   generator=torch.Generator(device=row_probs.device).manual_seed(seed))
+                 for row_probs, seed in zip(probs, seeds)]
+        return [{"draws": d.numpy()} for d in dev.to_host(draws)]
 
     def pack_row(self, selected: dict[str, np.ndarray], vocab_size: int) -> dict[str, np.ndarray]:
         ordered = np.sort(selected["draws"], axis=1)  # [L, N]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import quant_init
+from . import device as dev, quant_init
 
 SCHEMES = ("int", "lut")
 INITS = ("rtn", "mse", "hqq")
@@ -158,7 +158,8 @@ def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 
 def _lut_lookup(v: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest codebook entry of each value, without data-dependent shapes (sort + searchsorted).
+    """Nearest codebook entry of each value, without data-dependent shapes (sort, then searchsorted's left-side
+    index over the midpoints; on XLA, which has no searchsorted, the same index as a compare-and-sum).
 
     Args:
         v: [out, groups, G]; codebook: [1, 1, K] or [out, groups, K].
@@ -168,7 +169,10 @@ def _lut_lookup(v: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, 
     ordered, order = codebook.sort(-1)
     ordered = ordered.expand(v.shape[0], v.shape[1], -1)
     mids = (ordered[..., 1:] + ordered[..., :-1]) / 2
-    pos = torch.searchsorted(mids.detach().contiguous(), v.detach().contiguous())
+    if dev.searchsorted_is_native(v.device):
+        pos = torch.searchsorted(mids.detach().contiguous(), v.detach().contiguous())
+    else:  # how many midpoints are < v: [out, groups, G, K-1] -> [out, groups, G], ties left as searchsorted's
+        pos = (mids.detach().unsqueeze(-2) < v.detach().unsqueeze(-1)).sum(-1)
     return ordered.gather(-1, pos), order.expand(v.shape[0], v.shape[1], -1).gather(-1, pos)
 
 

@@ -180,5 +180,6 @@ def save_quantizer_state(model: torch.nn.Module, path: Path, codes: bool = False
     """Write `quantizer_state_dict(model, codes)` to `path` atomically (temp name, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in quantizer_state_dict(model, codes).items()}, str(tmp))
+    state = dev.state_dict_to_cpu(quantizer_state_dict(model, codes))  # one transfer from an XLA device
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
     os.replace(tmp, path)

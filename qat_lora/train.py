@@ -300,7 +300,8 @@ def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics: runs.Me
     clock.update(last_time=now, last_step=run.step)
 
     def write_metrics():
-        record.update({k: float(v) for k, v in totals.items()}, grad_norm=float(grad_norm))
+        values = dev.to_host([*totals.values(), grad_norm])  # one transfer (a float() each would be one each)
+        record.update({k: float(v) for k, v in zip(totals, values)}, grad_norm=float(values[-1]))
         metrics.write(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
 

@@ -292,3 +292,43 @@ def test_saved_datasets_are_read(teacher_dir, tmp_path):
     build_cache(_config(teacher_dir, tmp_path / "ds", tmp_path / "c"), log=lambda _: None)
     cache = KDCache(tmp_path / "c")
     assert cache.manifest["splits"]["train"]["tokens"] + cache.manifest["splits"]["heldout"]["tokens"] > 100
+
+
+def test_teacher_dtype_and_matmul_precision_flags(reference, teacher_dir, corpus_dir, tmp_path):
+    import hashlib
+    import json
+    import shutil
+    from dataclasses import asdict
+
+    from qat_lora.cache import MANIFEST
+
+    with pytest.raises(ValueError, match="--dtype 'fp16': choose fp32 or bf16"):
+        _config(teacher_dir, corpus_dir, tmp_path, dtype="fp16")
+    with pytest.raises(ValueError, match="--matmul-precision 'medium'"):
+        _config(teacher_dir, corpus_dir, tmp_path, matmul_precision="medium")
+    # At their defaults the new fields leave the resume fingerprint as it was before they existed.
+    cfg = _config(teacher_dir, corpus_dir, tmp_path)
+    before = {k: v for k, v in asdict(cfg).items()
+              if k not in ("resume", "overwrite", "device", "dtype", "matmul_precision")}
+    assert cfg.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+    assert _config(teacher_dir, corpus_dir, tmp_path, dtype="bf16").fingerprint() != cfg.fingerprint()
+    # Recorded in the manifest; a manifest from before they were recorded reads as fp32 at the default precision.
+    assert inspect_cache(reference)["teacher_dtype"] == "fp32"
+    old = tmp_path / "old"
+    shutil.copytree(reference, old)
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["teacher_dtype"], manifest["matmul_precision"]
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_cache(old) == []
+    assert {k: inspect_cache(old)[k] for k in ("teacher_dtype", "matmul_precision")} == \
+        {"teacher_dtype": "fp32", "matmul_precision": "default"}
+    # A bf16 teacher at the highest precision: targets close to the fp32 ones; the setting is restored after.
+    precision = torch.get_float32_matmul_precision()
+    build_cache(_config(teacher_dir, corpus_dir, tmp_path / "bf16", dtype="bf16", matmul_precision="highest",
+                        max_tokens=600), log=lambda _: None)
+    assert torch.get_float32_matmul_precision() == precision
+    bf16 = KDCache(tmp_path / "bf16")
+    assert bf16.manifest["teacher_dtype"] == "bf16" and bf16.manifest["matmul_precision"] == "highest"
+    a, b = next(bf16.batches("train", 2, shuffle=False)), next(KDCache(reference).batches("train", 2, shuffle=False))
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert (a["topk_logprobs"][..., 0] - b["topk_logprobs"][..., 0]).abs().max() < 0.2

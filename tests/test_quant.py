@@ -367,3 +367,22 @@ def test_wq_once_per_step_skips_frozen_quantizers():
     layer.weight.requires_grad_(False)
     with quantized_weights_once_per_step(layer):
         assert layer._step_leaf is None and not layer.quantized_weight().requires_grad
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+def test_lut_lookup_as_compare_and_sum_equals_searchsorted_including_ties(monkeypatch, per_group):
+    # XLA has no searchsorted: the lookup counts the midpoints below each value instead (device.py picks which).
+    import qat_lora.device as dev
+    from qat_lora.quant import _lut_lookup
+
+    g = torch.Generator().manual_seed(0)
+    shape = (6, 4, 16) if per_group else (1, 1, 16)
+    codebook = torch.randint(-8, 8, shape, generator=g).float() / 4  # repeated entries: equal midpoints
+    ordered = codebook.sort(-1).values.expand(6, 4, -1)
+    mids = (ordered[..., 1:] + ordered[..., :-1]) / 2
+    v = torch.randn(6, 4, 32, generator=g) * 2
+    v[..., :15] = mids  # values exactly on a midpoint: searchsorted (left) puts them below
+    values, codes = _lut_lookup(v, codebook)
+    monkeypatch.setattr(dev, "searchsorted_is_native", lambda device: False)
+    values_cs, codes_cs = _lut_lookup(v, codebook)
+    assert torch.equal(codes, codes_cs) and torch.equal(values, values_cs)
