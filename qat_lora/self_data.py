@@ -105,6 +105,19 @@ def _record(prompt: str, continuation: str, chat: bool) -> dict:
     return {"text": prompt + continuation}
 
 
+def _shard_tokens(path: Path) -> list[int]:
+    """Generated tokens per sample of a finished shard. Records are split on "\n" only: the text may hold
+    U+2028 or U+0085, which str.splitlines would also split on.
+
+    Raises:
+        ValueError: a line that is not a record (the file was changed by hand): names the file.
+    """
+    try:
+        return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").split("\n") if line]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{path}: not a generate-data shard ({e}); delete it to generate it again") from None
+
+
 def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
     """Refuse a folder holding other files or a corpus generated with other settings (never mix two corpora)."""
     if out.exists() and not out.is_dir():
@@ -138,7 +151,7 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
     while tokens < cfg.tokens:
         path = out / SHARD.format(index=index)
         if path.exists():
-            done = [json.loads(line)["tokens"] for line in path.read_text().splitlines()]
+            done = _shard_tokens(path)
             tokens, samples, index = tokens + sum(done), samples + len(done), index + 1
             continue
         first = index * cfg.shard_samples

@@ -150,3 +150,17 @@ def test_bad_flags_are_one_line_errors(flags, message, teacher_dir, corpus_dir, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_resume_reads_shards_whose_text_holds_unicode_line_separators(teacher_dir, corpus_dir, tmp_path):
+    out = tmp_path / "self"
+    first = generate_data(_cfg(teacher_dir, corpus_dir, out, tokens=300), **QUIET)
+    shard = out / "part-00000.jsonl"
+    records = [json.loads(line) for line in shard.read_text().split("\n") if line]
+    records[0]["text"] += "\u2028and\x85on"  # generated text may hold them; splitlines() would break the record
+    shard.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n", encoding="utf-8")
+    assert generate_data(_cfg(teacher_dir, corpus_dir, out, tokens=300), **QUIET)["generated_tokens"] == \
+        first["generated_tokens"]
+    shard.write_text('{"text": "cut', encoding="utf-8")
+    with pytest.raises(ValueError, match="part-00000.jsonl: not a generate-data shard"):
+        generate_data(_cfg(teacher_dir, corpus_dir, out, tokens=300), **QUIET)
