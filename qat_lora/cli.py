@@ -142,7 +142,8 @@ def _presets(args: argparse.Namespace) -> None:
     for name, cfg in PRESETS.items():
         group = "per-channel" if cfg.group_size is None else f"groups of {cfg.group_size}"
         kind = (f"lut{cfg.bits} ({cfg.codebook} codebook)" if cfg.scheme == "lut" else
-                f"int{cfg.bits}, {'symmetric' if cfg.symmetric else 'asymmetric'}")
+                f"int{cfg.bits}, {'symmetric' if cfg.symmetric else 'asymmetric'}"
+                + ("" if cfg.zero_domain == "int" else f", zero point {cfg.zero_domain} (llama.cpp {name.upper()})"))
         print(f"{name:8s} {kind}, {group}, init {cfg.init}")
 
 

@@ -261,14 +261,15 @@ class RecoverConfig(StudentSpec):
         super().__post_init__()
 
 
-EXPORT_FORMATS = ("packed", "dense", "both")
+EXPORT_FORMATS = ("packed", "dense", "both", "gguf")
 
 
 @dataclass
 class ExportConfig(StudentSpec):
     adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
-    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, export.json)"})
-    format: str = field(default="both", metadata={"help": "packed, dense or both"})
+    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, gguf/, export.json)"})
+    format: str = field(default="both", metadata={"help": "packed, dense, both, or gguf (gguf/model.gguf for llama.cpp; "
+                                                          "q8_0 / q4_0 / q4_1 presets bit-exact, others re-quantised)"})
     merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
     cache: str = field(default="", metadata={"help": "KD cache: report held-out KD loss before/after the merge"})
     batch_size: int = field(default=4, metadata={"help": "sequences per forward for the merge report"})
@@ -279,6 +280,9 @@ class ExportConfig(StudentSpec):
             raise ValueError(f"--format {self.format}: use one of {', '.join(EXPORT_FORMATS)}")
         if self.merge_adapter and not self.adapter:
             raise ValueError("--merge-adapter needs --adapter (the run's adapter/ folder)")
+        if self.format == "gguf" and self.adapter and not self.merge_adapter:
+            raise ValueError("--format gguf cannot carry an unmerged --adapter yet: add --merge-adapter, or export "
+                             "the adapter with --format packed or dense")
         if self.cache and not self.merge_adapter:
             raise ValueError("--cache only feeds the merge report: add --merge-adapter (with --adapter) or drop "
                              "--cache")

@@ -6,9 +6,11 @@
 `packed/` holds `model.safetensors` with, per quantised linear, the integer codes packed to their bit width
 (`<name>.qweight`, uint8) and the fp16 `scale` / `zero` (rounded to the integer the forward uses) / `codebook` /
 `scale_a` / `scale_b`; every other tensor as in the model; a JSON header in the safetensors metadata (key
-`qat_lora`); `config.json` and the tokenizer.
+`qat_lora`); the tokenizer; a `config.json` whose model_type `qat-lora-packed` transformers refuses with an error
+naming it (the model's own config sits inside, under `base_config`).
 `load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
 `dense/` is a plain `save_pretrained` folder of the dequantised weights: transformers loads it without qat_lora.
+`--format gguf` writes `gguf/model.gguf` instead (gguf_export.py): llama.cpp's types, bit-exact for q8_0 / q4_0 / q4_1.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from . import models
 from .config import ExportConfig
 from .cache import KDCache
 from .files import atomic_write_json
+from .gguf_export import GGUF_DIR, save_gguf
 from .metrics import kd_metrics
 from .student import load_student
 from .quant import FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict, quant_config_from_dict
@@ -37,7 +40,10 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
 PACKED_DIR, DENSE_DIR, ADAPTER_DIR = "packed", "dense", "adapter"
-EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, REPORT_FILE, REPORT_FILE + ".tmp")
+EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, GGUF_DIR, REPORT_FILE, REPORT_FILE + ".tmp")
+# packed/config.json carries a model_type transformers rejects, naming the format (issue 18, item 4): a plain
+# config there made AutoModelForCausalLM.from_pretrained(packed/) build a RANDOM model with only a warning.
+PACKED_MODEL_TYPE = "qat-lora-packed"
 QUANT_TENSORS = ("scale", "zero", "codebook", "scale_a", "scale_b")
 
 
@@ -104,7 +110,7 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
         for key, p in layer.quant_parameters().items():
             # The forward uses round(zero): store that integer (exact in fp16). A QAT-trained zero is fractional,
             # and fp16(z) can round the other way than z when z lies within fp16 precision of k + 0.5.
-            value = torch.round(p) if key == "zero" else p
+            value = torch.round(p) if key == "zero" and layer.cfg.zero_domain == "int" else p  # float: fp16 offset
             tensors[f"{name}.{key}"] = value.detach().cpu().to(torch.float16).contiguous()
             skip.add(f"{name}.{key}")
         skip.add(f"{name}.weight")
@@ -115,7 +121,9 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
               "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "layers": layers,
               "bits_per_weight": bits_per_weight(model)}
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={HEADER_KEY: json.dumps(header)})
-    model.config.save_pretrained(out_dir)
+    atomic_write_json(out_dir / "config.json", {
+        "model_type": PACKED_MODEL_TYPE, "load_with": "qat_lora.export.load_packed (transformers: the dense/ folder)",
+        "base_config": model.config.to_dict()})
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     header["bytes"] = (out_dir / WEIGHTS_FILE).stat().st_size
@@ -148,11 +156,16 @@ def load_packed(path: str | Path) -> nn.Module:
     """Rebuild the fake-quant student from a packed artefact: each quantised linear's latent weight is the
     dequantised Wq, so its forward (and further training or LoRA) starts from exactly the exported weights."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     header = read_packed_header(path)
     tensors = load_file(str(Path(path) / WEIGHTS_FILE))
-    config = AutoConfig.from_pretrained(str(path))
+    saved = json.loads((Path(path) / "config.json").read_text())
+    if saved.get("model_type") == PACKED_MODEL_TYPE:
+        base = saved["base_config"]
+        config = CONFIG_MAPPING[base["model_type"]].from_dict(base)
+    else:  # packed folders written before the format got its own model_type
+        config = AutoConfig.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, header["dtype"]))
     for name, info in header["layers"].items():
         cfg = quant_config_from_dict(info["config"])
@@ -265,8 +278,13 @@ def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
         report["packed"] = {"bits_per_weight": header["bits_per_weight"], "bytes": header["bytes"],
                             "layers": len(header["layers"])}
     report["bits_per_weight"] = bits_per_weight(student)
+    if cfg.format == "gguf":
+        report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student")
     if cfg.format in ("dense", "both"):
         save_dense(student, out / DENSE_DIR, tokenizer)
     atomic_write_json(out / REPORT_FILE, report)
-    log(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    summary = {k: v for k, v in report.items() if k != "config"}
+    if "gguf" in summary:  # per-layer errors stay in export.json; the console gets the totals
+        summary["gguf"] = {k: v for k, v in summary["gguf"].items() if k != "layers"}
+    log(json.dumps(summary, indent=2))
     return report

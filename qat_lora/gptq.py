@@ -49,10 +49,8 @@ class _GroupGrid:
         if self.cfg.scheme == "lut":
             return  # the codebook and scales are fixed inputs
         cfg, g = self.cfg, w.shape[1]
-        if cfg.init == "mse":
-            s, z = quant_init.mse_scale_zero(w, cfg.bits, cfg.symmetric, g, importance)
-        else:
-            s, z = quant_init.rtn_scale_zero(w, cfg.bits, cfg.symmetric, g)
+        init = cfg.init if cfg.init in ("mse", "ggml") else "rtn"  # hqq's fit is for whole layers, not GPTQ's groups
+        s, z = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, init, cfg.zero_domain, importance)
         self.scale[:, group], self.zero[:, group] = s[:, 0], z[:, 0]
 
     def fit_all_(self, w: torch.Tensor, importance: torch.Tensor) -> None:
@@ -70,6 +68,8 @@ class _GroupGrid:
             nearest = (w.div(s).unsqueeze(1) - cb).abs().argmin(1, keepdim=True)
             return cb.gather(1, nearest).squeeze(1) * s
         z = self.zero[:, group]
+        if self.cfg.zero_domain == "float":  # q * s + m, as FakeQuantLinear (m is fp16 already)
+            return torch.clamp(torch.round((w - z) / s), self.cfg.qmin, self.cfg.qmax) * s + z
         # (q - z) * s is exact in float32 (small integer times an fp16 value), so round(Wq / s) gives back q.
         return (torch.clamp(torch.round(w / s) + z, self.cfg.qmin, self.cfg.qmax) - z) * s
 

@@ -1,10 +1,11 @@
-"""Fake-quantised linear layers, the preset table and `quantize_` (DESIGN §4).
+"""Fake-quantised linear layers and `quantize_` (DESIGN §4); the config and presets live in quant_config.py.
 
 `quantize_(model, config)` swaps every matching `nn.Linear` for a `FakeQuantLinear` in place. The latent
 full-precision weight is kept (wrap, don't copy). Two schemes, both materialising Wq once per forward and
 then running ONE matmul:
 
     int:  Wq = s * (clamp(round(W / s) + z, qmin, qmax) - z)       groups of G input columns
+          Wq = s * clamp(round((W - m) / s), qmin, qmax) + m      zero_domain float (m: fp16 offset, llama.cpp Q4_1)
     lut:  Wq = s * LUT[nearest(W / s)]                             2^b-entry codebook, per tensor or group
 
 `round`/`nearest` use a straight-through estimator, so scales s, zeros z and codebooks receive LSQ-style
@@ -16,8 +17,6 @@ the export therefore reproduces the training-time Wq bit for bit.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -25,92 +24,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from . import device as dev, quant_init
-
-SCHEMES = ("int", "lut")
-INITS = ("rtn", "mse", "hqq")
-CODEBOOKS = ("tensor", "group")
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """How linear weights are fake-quantised."""
-
-    bits: int = field(default=4, metadata={"help": "bit width of the codes: 2, 3, 4 or 8"})
-    group_size: int | None = field(default=64, metadata={"help": "input columns per scale; None = per output channel"})
-    symmetric: bool = field(default=False, metadata={"help": "int only: codes centred on 0, no zero point"})
-    scheme: str = field(default="int", metadata={"help": "int (uniform grid) or lut (learned 2^b codebook)"})
-    codebook: str = field(default="tensor", metadata={"help": "lut only: one codebook per tensor or per group"})
-    scale_rank: int = field(default=0, metadata={"help": "rank r of low-rank scale factors s * (1 + A @ B); 0 = none"})
-    # rtn is the default because it measured better: on SmolLM2-135M w3g64, weight-MSE clipping gave Wikipedia
-    # ppl 51.9 vs 46.5 for min/max (docs/BENCHMARKS.md); clipping outlier weights costs more than it saves.
-    init: str = field(default="rtn", metadata={"help": "rtn (min/max, uniform LUT), mse (clipping search, k-means LUT) "
-                      "or hqq (int: half-quadratic robust fit of zero, then scale, data-free; lut: k-means, as mse)"})
-    include: tuple[str, ...] = field(default=("*",), metadata={"help": "fnmatch patterns of module names to quantise"})
-    exclude: tuple[str, ...] = field(default=("lm_head", "*.lm_head"),
-                                     metadata={"help": "fnmatch patterns left in full precision (wins over include)"})
-    overrides: tuple[tuple[str, "QuantConfig"], ...] = field(
-        default=(), metadata={"help": "(pattern, QuantConfig) pairs; the first match replaces this config"})
-
-    def __post_init__(self) -> None:
-        if self.bits not in (2, 3, 4, 8):
-            raise ValueError(f"QuantConfig.bits={self.bits}: use 2, 3, 4 or 8")
-        if self.group_size is not None and self.group_size <= 0:
-            raise ValueError(f"QuantConfig.group_size={self.group_size}: use a positive size or None (per-channel)")
-        for name, value, choices in (("scheme", self.scheme, SCHEMES), ("init", self.init, INITS),
-                                     ("codebook", self.codebook, CODEBOOKS)):
-            if value not in choices:
-                raise ValueError(f"QuantConfig.{name}={value!r}: use one of {', '.join(choices)}")
-        if self.scheme == "lut" and self.symmetric:
-            raise ValueError("QuantConfig.symmetric=True with scheme='lut': a codebook has no zero point; drop symmetric")
-        if self.scale_rank < 0:
-            raise ValueError(f"QuantConfig.scale_rank={self.scale_rank}: use 0 (off) or a positive rank")
-        for item in self.overrides:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], QuantConfig)):
-                raise ValueError(f"QuantConfig.overrides entry {item!r}: use (pattern, QuantConfig) pairs")
-
-    @property
-    def qmin(self) -> int:
-        return -(2 ** (self.bits - 1)) if self.symmetric else 0
-
-    @property
-    def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1 if self.symmetric else 2**self.bits - 1
-
-    def for_module(self, name: str) -> "QuantConfig | None":
-        """The config that applies to module `name` (an override, or self), or None if it stays full precision."""
-        if any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
-            return None
-        for pattern, override in self.overrides:
-            if fnmatch.fnmatchcase(name, pattern):
-                return override.for_module(name)
-        return self if any(fnmatch.fnmatchcase(name, p) for p in self.include) else None
-
-
-# The one preset table every CLI reads. int presets are asymmetric (scale + zero), as the RTN baselines we
-# report; `l*` presets are 2^b-entry LUTs (one k-means codebook per tensor) with per-group absmax scales.
-PRESETS: dict[str, QuantConfig] = {
-    # At 2 bits min/max collapses (ppl 1e4-4e5) and the clipping search removes 0.75-2.3 nats of it; at 3-4 bits it
-    # hurts except with groups of 32 at 3 bits (docs/BENCHMARKS.md, "PTQ perplexity"), so each preset carries the
-    # init that measured better on SmolLM2-135M.
-    "w2g32": QuantConfig(bits=2, group_size=32, init="mse"),
-    "w2g64": QuantConfig(bits=2, group_size=64, init="mse"),
-    "w3g32": QuantConfig(bits=3, group_size=32, init="mse"),
-    "w3g64": QuantConfig(bits=3, group_size=64),
-    "w4g32": QuantConfig(bits=4, group_size=32),
-    "w4g64": QuantConfig(bits=4, group_size=64),
-    "w4pc": QuantConfig(bits=4, group_size=None),
-    "w8pc": QuantConfig(bits=8, group_size=None),
-    "lut2g32": QuantConfig(bits=2, group_size=32, scheme="lut", init="mse"),  # k-means codebook
-    "lut3g64": QuantConfig(bits=3, group_size=64, scheme="lut", init="mse"),
-    "lut4g64": QuantConfig(bits=4, group_size=64, scheme="lut", init="mse"),
-}
-
-
-def get_preset(name: str) -> QuantConfig:
-    """Return the preset called `name`; unknown names raise a ValueError listing the choices."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown quantisation preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name]
+from .quant_config import (CODEBOOKS, INITS, PRESETS, SCHEMES, ZERO_DOMAINS, QuantConfig,  # noqa: F401 (re-exported)
+                           get_preset, quant_config_dict, quant_config_from_dict)
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -140,8 +55,18 @@ def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: 
     return s * (1.0 + low_rank.reshape(s.shape[0], s.shape[1], group_size))
 
 
-def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    """Wq = s * (clamp(round(W/s) + round(z), qmin, qmax) - round(z)), group-wise, STE on both rounds.
+def _zero_point(zero: torch.Tensor, zero_domain: str) -> torch.Tensor:
+    """The zero the grid uses (QuantConfig.zero_domain): round(z) (int) or fp16(m) (float), both through an STE,
+    or 0 (none): zero * 0 gives the parameter a gradient of exactly 0, so it stays 0 under AdamW too."""
+    if zero_domain == "float":
+        return _fp16_ste(zero)
+    return zero * 0.0 if zero_domain == "none" else _round_ste(zero)
+
+
+def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int,
+                  zero_domain: str = "int") -> torch.Tensor:
+    """Wq = s * (clamp(round(W/s) + round(z), qmin, qmax) - round(z)), group-wise, STE on both rounds; with
+    zero_domain float Wq = s * clamp(round((W - m)/s), qmin, qmax) + m, m at fp16 (llama.cpp's Q4_1).
 
     Args:
         weight: [out, in]; scale: [out, groups] or [out, groups, G|1]; zero: [out, groups].
@@ -152,9 +77,12 @@ def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     groups = zero.shape[1]
     w = weight.reshape(out_features, groups, in_features // groups)
     s = scale.unsqueeze(-1) if scale.dim() == 2 else scale
-    z = _round_ste(zero).unsqueeze(-1)
-    q = torch.clamp(_round_ste(w / s) + z, qmin, qmax)
-    return ((q - z) * s).reshape(out_features, in_features).to(weight.dtype)
+    z = _zero_point(zero, zero_domain).unsqueeze(-1)
+    if zero_domain == "float":  # d * q, then + m, in that order: what gguf's dequantiser computes, so bit-exact
+        wq = torch.clamp(_round_ste((w - z) / s), qmin, qmax) * s + z
+    else:
+        wq = (torch.clamp(_round_ste(w / s) + z, qmin, qmax) - z) * s
+    return wq.reshape(out_features, in_features).to(weight.dtype)
 
 
 def _lut_lookup(v: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,9 +184,8 @@ class FakeQuantLinear(nn.Linear):
         imp = None if importance is None else importance.detach().cpu()
         values: dict[str, torch.Tensor] = {}
         if cfg.scheme == "int":
-            init = {"mse": quant_init.mse_scale_zero, "hqq": quant_init.hqq_scale_zero}.get(cfg.init)
-            values["scale"], values["zero"] = (quant_init.rtn_scale_zero(w, cfg.bits, cfg.symmetric, g) if init is None
-                                               else init(w, cfg.bits, cfg.symmetric, g, imp))
+            values["scale"], values["zero"] = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, cfg.init,
+                                                                        cfg.zero_domain, imp)
         else:
             values["scale"] = quant_init.lut_scale(w, g)
             per_group = cfg.codebook == "group"
@@ -280,7 +207,7 @@ class FakeQuantLinear(nn.Linear):
 
     def _fake_quantize(self) -> torch.Tensor:
         if self.cfg.scheme == "int":
-            return fake_quantize(self.weight, self._scale(), self.zero, self.cfg.qmin, self.cfg.qmax)
+            return fake_quantize(self.weight, self._scale(), self.zero, self.cfg.qmin, self.cfg.qmax, self.cfg.zero_domain)
         return fake_quantize_lut(self.weight, self._scale(), _fp16_ste(self.codebook))
 
     def trains(self) -> bool:
@@ -308,8 +235,9 @@ class FakeQuantLinear(nn.Linear):
         w = self.weight.float().reshape(self.out_features, -1, self.group_size)
         s = self._scale()
         if self.cfg.scheme == "int":
-            z = torch.round(self.zero).unsqueeze(-1)
-            q = torch.clamp(torch.round(w / s) + z, self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
+            z = _zero_point(self.zero, self.cfg.zero_domain).unsqueeze(-1)
+            r = torch.round((w - z) / s) if self.cfg.zero_domain == "float" else torch.round(w / s) + z
+            q = torch.clamp(r, self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
         else:
             _, q = _lut_lookup(w / s, quant_init.snap_fp16(self.codebook))
         return q.reshape(self.out_features, self.in_features).to(torch.uint8)
@@ -361,8 +289,8 @@ def dequantize(codes: torch.Tensor, cfg: QuantConfig, group_size: int, scale: to
     s = effective_scale(scale, scale_a, scale_b, group_size)
     c = codes.long().reshape(out_features, -1, group_size)
     if cfg.scheme == "int":
-        z = torch.round(zero).unsqueeze(-1)
-        wq = ((c + cfg.qmin).float() - z) * s
+        z = _zero_point(zero, cfg.zero_domain).unsqueeze(-1)
+        wq = (c + cfg.qmin).float() * s + z if cfg.zero_domain == "float" else ((c + cfg.qmin).float() - z) * s
     else:
         wq = codebook.expand(out_features, c.shape[1], -1).gather(-1, c) * s
     return wq.reshape(out_features, in_features)
@@ -469,21 +397,3 @@ def set_trainable_(model: nn.Module, groups: Iterable[str]) -> list[nn.Parameter
 def quantizer_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Every quantiser parameter of every FakeQuantLinear (scales, zeros, codebooks, low-rank factors)."""
     return [p for m in model.modules() if isinstance(m, FakeQuantLinear) for p in m.quant_parameters().values()]
-
-
-def quant_config_dict(cfg: QuantConfig) -> dict:
-    """JSON-friendly form of a QuantConfig (for run configs, manifests and the export header)."""
-    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    out["include"], out["exclude"] = list(cfg.include), list(cfg.exclude)
-    out["overrides"] = [[pattern, quant_config_dict(c)] for pattern, c in cfg.overrides]
-    return out
-
-
-def quant_config_from_dict(data: dict) -> QuantConfig:
-    """Inverse of `quant_config_dict`."""
-    data = dict(data)
-    data["include"] = tuple(data.get("include", ("*",)))
-    data["exclude"] = tuple(data.get("exclude", ()))
-    data["overrides"] = tuple((p, quant_config_from_dict(c)) for p, c in data.get("overrides", ()))
-    return replace(QuantConfig(), **data)
-

@@ -96,6 +96,41 @@ def mse_scale_zero(weight: torch.Tensor, bits: int, symmetric: bool, group_size:
     return best_scale, best_zero
 
 
+def ggml_scale_zero(weight: torch.Tensor, bits: int, group_size: int, zero_domain: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's reference round-to-nearest for its block types (ggml-quants.c, quantize_row_*_ref).
+
+    zero_domain none, 8 bits (Q8_0): d = absmax / 127. none, fewer bits (Q4_0): d = the signed weight of largest
+    magnitude / qmin, so that weight lands exactly on code qmin (-8) and all 2^b levels are used (d is negative
+    when that weight is positive). float (Q4_1): d = (max - min) / (2^b - 1), offset m = min.
+
+    Returns:
+        scale, zero: [out, groups]; d and m fp16-representable as llama.cpp stores them (|d| floored at
+        SCALE_FLOOR so all-zero groups stay finite); zero is m (float) or 0 (none).
+    """
+    w = _grouped(weight, group_size)
+    if zero_domain == "float":
+        lo = w.amin(-1)
+        return snap_fp16(((w.amax(-1) - lo) / (2**bits - 1)).clamp(min=SCALE_FLOOR)), snap_fp16(lo)
+    if bits == 8:
+        scale = w.abs().amax(-1) / 127
+    else:
+        scale = w.gather(-1, w.abs().argmax(-1, keepdim=True)).squeeze(-1) / -(2 ** (bits - 1))
+    scale = torch.where(scale.abs() < SCALE_FLOOR, torch.full_like(scale, SCALE_FLOOR), scale)
+    return snap_fp16(scale), torch.zeros_like(scale)
+
+
+def int_scale_zero(weight: torch.Tensor, bits: int, symmetric: bool, group_size: int, init: str = "rtn",
+                   zero_domain: str = "int", importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int grid's initial (scale, zero) for QuantConfig.init / zero_domain ([out, groups] each)."""
+    if init == "ggml" or zero_domain == "float":  # a float offset has one init: min/max, llama.cpp's Q4_1
+        return ggml_scale_zero(weight, bits, group_size, "float" if zero_domain == "float" else "none")
+    if init == "mse":
+        return mse_scale_zero(weight, bits, symmetric, group_size, importance)
+    if init == "hqq":
+        return hqq_scale_zero(weight, bits, symmetric, group_size, importance)
+    return rtn_scale_zero(weight, bits, symmetric, group_size)
+
+
 def _int_range(bits: int, symmetric: bool) -> tuple[int, int]:
     return (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if symmetric else (0, 2**bits - 1)
 

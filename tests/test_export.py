@@ -185,7 +185,8 @@ def test_unmerged_adapter_is_copied_beside_the_base(teacher_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(format="gguf"), "--format gguf"), (dict(merge_adapter=True), "--merge-adapter needs --adapter"),
+    (dict(format="onnx"), "--format onnx"), (dict(merge_adapter=True), "--merge-adapter needs --adapter"),
+    (dict(format="gguf", adapter="runs/x/adapter"), "--format gguf cannot carry an unmerged --adapter"),
     (dict(quant="w5"), "unknown quantisation preset"), (dict(model=""), "--model is required"),
     (dict(quantizer="/nonexistent/quantizer.safetensors"), "--quantizer .*no such file"),
     (dict(cache="caches/kd"), "--cache only feeds the merge report"),
@@ -198,3 +199,24 @@ def test_export_config_errors(kwargs, match):
 def test_load_packed_rejects_a_dense_folder(teacher_dir):
     with pytest.raises(ValueError, match="not a packed export"):
         load_packed(teacher_dir)
+
+
+def test_transformers_refuses_the_packed_folder_with_an_error_naming_it(teacher_dir, tokenizer, tmp_path):
+    # Issue 18, item 4: a plain config.json in packed/ made from_pretrained build a RANDOM model (a warning only).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    student = quantize_(load_causal_lm(teacher_dir), "w3g32")
+    save_packed(student, tmp_path, get_preset("w3g32"), tokenizer)
+    with pytest.raises(ValueError, match="qat-lora-packed"):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).get_vocab() == tokenizer.get_vocab()  # still loads
+    reloaded = load_packed(tmp_path)  # the model's own config rides inside
+    assert reloaded.config.to_dict() == student.config.to_dict()
+
+
+def test_load_packed_still_reads_a_folder_with_a_plain_config(teacher_dir, tmp_path):
+    student = quantize_(load_causal_lm(teacher_dir), "w3g32")
+    save_packed(student, tmp_path, get_preset("w3g32"))
+    student.config.save_pretrained(tmp_path)  # as packed folders were written before the format had a model_type
+    for name, layer in _layers(load_packed(tmp_path)).items():
+        assert torch.equal(layer.quantized_weight(), student.get_submodule(name).quantized_weight()), name
