@@ -349,6 +349,8 @@ class GenerateDataConfig:
                           "shard_samples")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if self.shard_samples > 1000:  # batch seeds are seed + 1000 * shard + batch start: keep them distinct
+            raise ValueError(f"--shard-samples {self.shard_samples}: at most 1000")
 
 
 TEACHER_DTYPES = ("fp32", "bf16")

@@ -7,9 +7,7 @@ this budget (docs/RESULTS.md); the longer chains (block-wise, weight-qat) are `q
 """
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from . import device as dev
@@ -19,7 +17,7 @@ from .config import CacheBuildConfig, DemoConfig, QuantizeConfig, StudentSpec, T
 from .files import atomic_write_json
 from .metrics import kd_metrics, perplexity
 from .models import load_tokenizer
-from .ptq import REPORT_FILE, quantize
+from .ptq import init_is_current, quantize
 from .runs import QUANTIZER_FILE
 from .student import load_student
 from .train import train
@@ -44,11 +42,10 @@ def _init(cfg: DemoConfig, teacher: str, cache_dir: Path, work: Path) -> str:
     init = QuantizeConfig(model=teacher, quant=cfg.quant, init=cfg.init, cache=str(cache_dir),
                           calib_sequences=cfg.calib_sequences, batch_size=cfg.batch_size,
                           out=str(work / f"init-{cfg.quant}-{cfg.init}"), overwrite=True)
-    report, path = Path(init.out) / REPORT_FILE, Path(init.out) / QUANTIZER_FILE
-    if not (path.exists() and report.exists() and json.loads(report.read_text())["config"] == asdict(init)):
-        print(f"{cfg.init} init of the {cfg.quant} student on {cfg.calib_sequences} cached sequences:")
+    if not init_is_current(init):
+        print(f"{cfg.init} init of the {cfg.quant} student on {cfg.calib_sequences} cached sequences")
         quantize(init, log=lambda line: None)
-    return str(path)
+    return str(Path(init.out) / QUANTIZER_FILE)
 
 
 def run_demo(cfg: DemoConfig) -> dict:

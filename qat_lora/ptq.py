@@ -14,6 +14,7 @@ train, eval and export load with `--quantizer`.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -51,6 +52,13 @@ def calibration_batches(cache_dir: str, sequences: int, batch_size: int) -> list
         if taken >= sequences:
             break
     return out
+
+
+def init_is_current(cfg: QuantizeConfig) -> bool:
+    """Whether cfg.out already holds an init made with exactly these settings (state and report written)."""
+    report = Path(cfg.out) / REPORT_FILE
+    return (Path(cfg.out) / QUANTIZER_FILE).exists() and report.exists() and \
+        json.loads(report.read_text())["config"] == asdict(cfg)
 
 
 def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:

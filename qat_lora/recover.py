@@ -13,14 +13,13 @@ Rerun the same command after a stop: finished stages are skipped, an interrupted
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 from .config import QuantizeConfig, RecoverConfig, TrainConfig
 from .files import atomic_write_json
-from .ptq import REPORT_FILE, quantize
+from .ptq import REPORT_FILE, init_is_current, quantize
 from .runs import QUANTIZER_FILE
 from .train import train
 
@@ -35,11 +34,10 @@ def _init_stage(cfg: RecoverConfig, log: Callable[[str], None]) -> str:
                           blockwise_lr=cfg.blockwise_lr, blockwise_quant_lr=cfg.blockwise_quant_lr,
                           batch_size=min(QuantizeConfig.batch_size, cfg.calib_sequences),
                           out=str(Path(cfg.out) / "init"), overwrite=True)
-    report = Path(init.out) / REPORT_FILE
-    if report.exists() and (Path(init.out) / QUANTIZER_FILE).exists():
-        if json.loads(report.read_text())["config"] == asdict(init):
-            log(f"stage 1 (init): done already, {Path(init.out) / QUANTIZER_FILE}")
-            return str(Path(init.out) / QUANTIZER_FILE)
+    if init_is_current(init):
+        log(f"stage 1 (init): done already, {Path(init.out) / QUANTIZER_FILE}")
+        return str(Path(init.out) / QUANTIZER_FILE)
+    if (Path(init.out) / REPORT_FILE).exists():
         raise ValueError(f"--out {cfg.out}: its init/ was made with other settings; use another --out")
     quantize(init, log)
     return str(Path(init.out) / QUANTIZER_FILE)

@@ -9,10 +9,9 @@ Each sample is a prompt (the first --prefix-tokens tokens of a corpus passage, o
 in the chat template when the tokenizer has one) continued by the teacher at --temperature (1.0 = the teacher's
 own distribution, which is what distillation matches). The output is jsonl shards of {"text"} records (prompt +
 continuation; chat prompts as {"messages"}, read by build-cache --chat) plus generate.json (settings first,
-then the totals). Each shard has its
-own seed and is written under a temp name, then renamed: a rerun after a stop skips the finished shards and
-produces the same files as an uninterrupted run (on the same device). A larger --tokens on the same folder
-continues the corpus (the earlier run's last shard stays as the budget cut it).
+then the totals). Each shard has its own seeds and is written under a temp name, then renamed: a rerun after a
+stop skips the finished shards and produces the same files as an uninterrupted run (on the same device). A
+larger --tokens on the same folder continues the corpus (the earlier run's last shard stays as the budget cut it).
 """
 from __future__ import annotations
 
@@ -156,17 +155,19 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
             continue
         first = index * cfg.shard_samples
         shard_prompts = [prompts[i % len(prompts)] for i in range(first, first + cfg.shard_samples)]
-        lines = []
+        lines, counts = [], []
         for b in range(0, len(shard_prompts), cfg.batch_size):
-            if tokens >= cfg.tokens:  # the last shard stops at the budget (a prefix of a full shard)
+            if tokens + sum(counts) >= cfg.tokens:  # the last shard stops at the budget (a prefix of a full shard)
                 break
             chunk = shard_prompts[b:b + cfg.batch_size]
+            # Batch seeds: one per (shard, batch); shard_samples <= 1000 (config) keeps them distinct.
             for prompt, ids in zip(chunk, _sample(model, tokenizer, _encode(tokenizer, chunk, chat), cfg, device,
                                                   cfg.seed + 1000 * index + b)):
                 record = _record(prompt, tokenizer.decode(ids, skip_special_tokens=True), chat)
                 lines.append(json.dumps({**record, "tokens": len(ids)}, ensure_ascii=False))
-                tokens += len(ids)
-        if not any(json.loads(line)["tokens"] for line in lines):
+                counts.append(len(ids))
+        tokens += sum(counts)
+        if not any(counts):
             raise ValueError(f"--model {cfg.model}: every sample of {path.name} ended at once (EOS first); use "
                              "other prompts, --raw-prompts or a higher --temperature")
         tmp = path.with_name(path.name + ".tmp")
