@@ -3,11 +3,12 @@
     qat-lora recover --model M --quant w2g64 --cache caches/kd --out runs/w2g64
         runs/w2g64/init/   quantizer.safetensors + quantize.json   stage 1: preset init + GPTQ (qat-lora quantize),
                            blocks/                                 then block-wise reconstruction (--blockwise-steps)
-        runs/w2g64/qat/    a train run (weight-qat)                stage 2: end-to-end KD of weights + scales/zeros
+        runs/w2g64/qat/    a train run (--qat weight-qat|qat)      stage 2 (off by default): end-to-end KD of weights +
+                                                                   scales/zeros
         runs/w2g64/lora/   a train run (recovery-lora)             stage 3: LoRA over the stage-2 student
         runs/w2g64/recover.json                                    what to load: --quantizer and --adapter
 
-Stage 2 leaves every weight on its grid (codes in quantizer.safetensors), so the low-bit export keeps the
+Stage 2, when asked for, leaves every weight on its grid (codes in quantizer.safetensors), so the low-bit export keeps the
 recovery; stage 3 adds adapters that a runtime applies next to the quantised base (or `--lora-steps 0`).
 Rerun the same command after a stop: finished stages are skipped, an interrupted one resumes.
 """

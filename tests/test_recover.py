@@ -18,7 +18,7 @@ QUIET = dict(log=lambda _: None)
 
 def _cfg(teacher_dir, cache_dir, out, **kw) -> RecoverConfig:
     base = dict(model=str(teacher_dir), quant="w2g32", cache=str(cache_dir), out=str(out), calib_sequences=16,
-                qat_steps=4, lora_steps=0, lora_r=4, batch_size=4, save_steps=0, device="cpu")
+                qat="weight-qat", qat_steps=4, lora_steps=0, lora_r=4, batch_size=4, save_steps=0, device="cpu")
     return RecoverConfig(**{**base, **kw})
 
 
@@ -74,7 +74,7 @@ def test_changed_init_settings_are_refused_not_mixed(teacher_dir, cache_dir, tmp
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--qat", "lsq", "--qat 'lsq': choose one of weight-qat, qat, none"),
+    ("--qat", "lsq", "--qat 'lsq': choose one of none, weight-qat, qat"),
     ("--init", "awq", "--init 'awq': choose one of"),
     ("--qat-steps", "0", "--qat-steps 0: must be positive"),
     ("--weight-lr", "nan", "--weight-lr nan: must be positive"),
