@@ -1,10 +1,10 @@
 """FSDP-style parameter sharding over the devices of one SPMD process (`--parallel fsdp`), for students larger
 than one chip.
 
-Each parameter is split along one dimension over the same 1-D device mesh that splits the batch (torch_xla's
+Each frozen parameter is split along one dimension over the same 1-D device mesh that splits the batch (torch_xla's
 FSDPv2 layout: one axis shards both); GSPMD then all-gathers a layer's weights where the graph needs them and
-reduce-scatters their gradients, so each device keeps about 1/N of the parameters (and of the optimizer states,
-which follow their parameters' layout). torch_xla is imported inside functions only.
+reduce-scatters their gradients, so each device keeps about 1/N of the frozen student. Trainable tensors (LoRA, quantisers: small) stay
+replicated, with their optimizer states. torch_xla is imported inside functions only.
 
     backend = FsdpBackend()                      # before any XLA work: turns SPMD on
     model = backend.shard_model_(model.to(device))
@@ -49,9 +49,13 @@ class FsdpBackend(SpmdBackend):
     """SPMD over every XLA device with the batch AND the parameters sharded over the 'data' mesh axis."""
 
     def shard_model_(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Mark each parameter's sharding (in place): split along `shard_dim`, else replicated."""
+        """Mark each frozen parameter's sharding (in place): split along `shard_dim`, else replicated.
+
+        Trainable parameters stay replicated: LoRA and quantiser tensors are small, and a sharded tensor leaving
+        the device (every save) would compile a gather program each time.
+        """
         for p in model.parameters():
-            dim = shard_dim(tuple(p.shape), self.data_parallel)
+            dim = None if p.requires_grad else shard_dim(tuple(p.shape), self.data_parallel)
             if dim is not None:
                 spec = tuple("data" if d == dim else None for d in range(p.dim()))
                 self._xs.mark_sharding(p, self._mesh, spec)
