@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 from . import device as dev
@@ -137,6 +138,8 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
         torch_xla.launch(_build_rank, args=(one, chips))
     else:
         if dev.wants_xla(cfg.device):
+            # XLA:CPU: torch_xla.launch would run the builders as threads of this process, which race on
+            # transformers' lazy imports (measured: ImportError) and share one set of counters; processes do not.
             os.environ.update(PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), CPU_NUM_DEVICES="1")
         log(f"building on {chips} local processes")
         cmd = [sys.executable, "-m", "qat_lora.cli", "build-cache", *to_argv(one)]

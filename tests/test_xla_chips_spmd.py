@@ -2,9 +2,10 @@
 parameter sharding over 4 devices (SPMD), each run in its own subprocess (DESIGN §6: the device count, SPMD mode
 and compile counters are fixed per process).
 
-XLA:CPU replicas started by torch_xla.launch cannot run collectives; a cache build needs none, but XLA:CPU's
-launch runs its replicas as threads of one process (one set of counters, one process-wide SPMD switch), so on a
-CPU host `--num-chips N` starts N builder processes instead: the same per-rank code and merge as on a TPU host.
+torch_xla.launch does run a collective-free function on XLA:CPU (CPU_NUM_DEVICES=2: two replicas, ordinals 0
+and 1), but as threads of one process: two builders loading the teacher at once race on transformers' lazy
+imports (measured: ImportError) and share one set of counters. So on a CPU host `--num-chips N` starts N builder
+processes instead: the same per-rank build and the same merge by the launcher as the TPU replicas.
 """
 from __future__ import annotations
 
