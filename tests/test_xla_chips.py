@@ -3,6 +3,8 @@ Pure functions and CPU maths here; the XLA runs (multi-chip build, FSDP over 4 d
 test_xla_chips_spmd.py, each in its own subprocess."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -106,3 +108,32 @@ def test_bf16_storage_keeps_no_fp32_latent_weight_and_matches_the_fp32_student(t
     # The stored Wq is the fp32 student's Wq rounded once to bf16.
     ref = [m for m in fp32.modules() if isinstance(m, FakeQuantLinear)]
     torch.testing.assert_close(layers[0].weight, ref[0].quantized_weight().to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_selecting_chips_sets_the_variables_once_and_keeps_the_users_own(monkeypatch):
+    from qat_lora import launch
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    monkeypatch.setattr(os, "environ", environ)  # what select_tpu_chips sets stays in this test
+    monkeypatch.setattr(launch, "tpu_chip_count", lambda: 8)  # a v6e-8 host
+    lines = []
+    launch.select_tpu_chips(2, per_process=False, log=lines.append)
+    assert (environ["TPU_VISIBLE_CHIPS"], environ["TPU_CHIPS_PER_PROCESS_BOUNDS"]) == ("0,1", "1,2,1")
+    assert lines == ["TPU chips: TPU_VISIBLE_CHIPS=0,1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,2,1 TPU_PROCESS_BOUNDS=1,1,1"]
+    environ.clear()
+    environ["TPU_VISIBLE_CHIPS"] = "4,5"  # the user's choice wins
+    launch.select_tpu_chips(1, per_process=False, log=lines.append)
+    assert environ == {"TPU_VISIBLE_CHIPS": "4,5"}
+    with pytest.raises(ValueError, match="this host has 8 TPU chip"):
+        launch.select_tpu_chips(16, per_process=True)
+
+
+def test_all_chips_means_one_device_off_a_tpu_host(monkeypatch):
+    from qat_lora import launch
+
+    monkeypatch.setattr(launch.dev, "tpu_present", lambda: False)
+    assert launch.chips_to_use(0, "cpu") == launch.chips_to_use(0, "xla") == 1
+    assert launch.chips_to_use(3, "cpu") == 3
+    monkeypatch.setattr(launch.dev, "tpu_present", lambda: True)
+    monkeypatch.setattr(launch, "tpu_chip_count", lambda: 4)
+    assert launch.chips_to_use(0, "tpu") == 4 and launch.chips_to_use(0, "cpu") == 1
