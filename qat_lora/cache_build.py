@@ -100,10 +100,11 @@ def _load_progress(cfg: CacheBuildConfig, out: Path, path: Path) -> dict:
 
 
 def _finished(cfg: CacheBuildConfig) -> bool:
-    """--resume on a cache whose build finished with these same arguments (its manifest exists)."""
+    """--resume on a cache whose build finished with these same arguments (its merged manifest exists): true for
+    each rank of a multi-rank build too, so rerunning `build-cache --num-chips N --resume` is a no-op."""
     out = Path(cfg.out)
     progress = out / f"progress-r{cfg.rank:03d}.json"
-    if not (cfg.resume and cfg.world_size == 1 and (out / MANIFEST).exists() and progress.exists()):
+    if not (cfg.resume and (out / MANIFEST).exists() and progress.exists()):  # merged: every rank finished
         return False
     return json.loads(progress.read_text()).get("fingerprint") == cfg.fingerprint()
 
