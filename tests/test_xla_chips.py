@@ -137,3 +137,10 @@ def test_all_chips_means_one_device_off_a_tpu_host(monkeypatch):
     monkeypatch.setattr(launch.dev, "tpu_present", lambda: True)
     monkeypatch.setattr(launch, "tpu_chip_count", lambda: 4)
     assert launch.chips_to_use(0, "tpu") == 4 and launch.chips_to_use(0, "cpu") == 1
+
+
+def test_fsdp_without_xla_is_a_one_line_error():
+    from qat_lora.launch import run
+
+    with pytest.raises(ValueError, match=r"^--parallel fsdp with --device cpu: SPMD needs --device xla or tpu"):
+        run(TrainConfig(model="m", device="cpu", num_chips=2, parallel="fsdp"), log=lambda _: None)
