@@ -214,7 +214,11 @@ def chips_to_use(requested: int, device: str) -> int:
 def select_tpu_chips(num_chips: int, per_process: bool, log: Callable[[str], None] = print) -> None:
     """Limit this process (and the replicas it starts) to `num_chips` TPU chips; a user's own
     TPU_VISIBLE_CHIPS / *_BOUNDS settings win."""
-    env = tpu_visibility_env(num_chips, tpu_chip_count(), per_process)
+    host_chips = tpu_chip_count()
+    if host_chips == 0:  # no PCI view of the chips (some containers): leave the runtime's own topology
+        log("TPU chips: this host's chips cannot be counted; using the runtime's own topology")
+        return
+    env = tpu_visibility_env(num_chips, host_chips, per_process)
     if env and any(k in os.environ for k in _TPU_VISIBILITY_KEYS):
         log(f"TPU chips: keeping this environment's {', '.join(k for k in _TPU_VISIBILITY_KEYS if k in os.environ)}")
         return

@@ -126,6 +126,10 @@ def test_selecting_chips_sets_the_variables_once_and_keeps_the_users_own(monkeyp
     assert environ == {"TPU_VISIBLE_CHIPS": "4,5"}
     with pytest.raises(ValueError, match="this host has 8 TPU chip"):
         launch.select_tpu_chips(16, per_process=True)
+    monkeypatch.setattr(launch, "tpu_chip_count", lambda: 0)  # chips not visible on the PCI bus: set nothing
+    environ.clear()
+    launch.select_tpu_chips(1, per_process=False, log=lines.append)
+    assert environ == {} and "cannot be counted" in lines[-1]
 
 
 def test_all_chips_means_one_device_off_a_tpu_host(monkeypatch):
