@@ -8,7 +8,8 @@ otherwise (DESIGN §6):
 - CUDA / CPU: `launch_local` starts N processes with torchrun's environment (NCCL / gloo) and waits for them;
   a rank that fails stops the others.
 - TPU: `torch_xla.launch` replicas (xm.reduce_gradients + a plain optimizer.step), or one SPMD process over
-  the chips with `--parallel spmd`.
+  the chips with `--parallel spmd` (the batch sharded) or `--parallel fsdp` (the frozen parameters too:
+  sharding.py; also on XLA:CPU).
 - XLA on a CPU host: one SPMD process over CPU_NUM_DEVICES devices (its spawned replicas cannot run
   collectives: pytorch/xla #5005, #9089).
 
