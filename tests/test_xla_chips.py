@@ -3,6 +3,9 @@ Pure functions and CPU maths here; the XLA runs (multi-chip build, FSDP over 4 d
 test_xla_chips_spmd.py, each in its own subprocess."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 
 import pytest
@@ -53,6 +56,19 @@ def test_num_chips_zero_is_the_default_and_negative_is_refused(tmp_path):
         TrainConfig(model="m", parallel="x")
     with pytest.raises(ValueError, match=r"^--storage-dtype bf16 --preset qat: .*--preset recovery-lora"):
         TrainConfig(model="m", storage_dtype="bf16", preset="qat")
+
+
+def test_build_cache_num_chips_is_a_count_and_leaves_the_resume_fingerprint_alone():
+    from qat_lora.config import CacheBuildConfig
+
+    with pytest.raises(ValueError, match=r"^--num-chips -1: must be >= 0"):
+        CacheBuildConfig(teacher="t", data=["d"], num_chips=-1)
+    # Each builder runs with --num-chips 1, which stays out of the fingerprint: a build interrupted before the flag
+    # existed (fingerprint of the other fields, as it was computed then) still resumes.
+    cfg = CacheBuildConfig(teacher="t", data=["d"], num_chips=1)
+    before = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("num_chips", "resume", "overwrite", "device", "dtype", "matmul_precision")}
+    assert cfg.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
 
 
 def test_chip_ranks_of_several_hosts_cover_every_sequence_once():
