@@ -144,7 +144,8 @@ def _prepare_out(cfg: CacheBuildConfig) -> Path:
 
 
 def _tokenise(cfg: CacheBuildConfig, files: list[Path], tokenizer) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    docs = data.tokenized_documents(files, tokenizer, cfg.text_field, chat=cfg.chat)
+    docs = data.tokenized_documents(files, tokenizer, cfg.text_field, chat=cfg.chat,
+                                   decoding=cfg.text_decoding())
     streams = data.split_token_streams(docs, tokenizer, cfg.holdout_fraction, cfg.max_tokens or None)
     if not streams["train"]:
         raise ValueError(f"--data {' '.join(cfg.data)}: no text found (empty corpus)")

@@ -24,7 +24,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
                     "quantizer": cfg.quantizer or None}
     if cfg.text:
         result.update(perplexity(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens or None,
-                                 cfg.batch_size, device))
+                                 cfg.batch_size, device, cfg.text_decoding()))
     if cfg.cache:
         cache = KDCache(cfg.cache)
         cache.check_compatible(tokenizer, models.vocab_size(model), models.max_positions(model))

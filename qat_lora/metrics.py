@@ -19,12 +19,12 @@ EVAL_CHUNK = 128  # positions per lm_head chunk: bounds eval memory without chan
 
 @torch.no_grad()
 def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int | None, batch_size: int,
-               device: torch.device) -> dict:
+               device: torch.device, decoding: data.TextDecoding = data.TextDecoding()) -> dict:
     """exp(mean next-token NLL) over non-overlapping windows of `seq_len` tokens of the given text."""
     limit = models.max_positions(model)
     if limit is not None and seq_len > limit:
         raise ValueError(f"--seq-len {seq_len}: longer than the model's context ({limit} positions)")
-    stream = data.token_stream(data.list_text_files(text), tokenizer, max_tokens)
+    stream = data.token_stream(data.list_text_files(text), tokenizer, max_tokens, decoding=decoding)
     if len(stream) < 2:
         raise ValueError(f"--text {' '.join(text)}: no text found")
     input_ids, mask = data.pack(stream, seq_len)

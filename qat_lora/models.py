@@ -41,8 +41,12 @@ def load_tokenizer(name_or_path: str | Path):
     location, kwargs = _location(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(location, **kwargs)
-    except OSError as e:
-        raise ValueError(f"tokenizer of {name_or_path}: cannot load ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file
+        raise ValueError(f"tokenizer of {name_or_path}: cannot load ({_first_line(e)}); is the file complete?") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -58,10 +62,15 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     location, kwargs = _location(name_or_path)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
+    except SafetensorError as e:  # a weights file cut short by a full disk or an interrupted copy
+        raise ValueError(f"model {name_or_path}: a weights file is damaged or truncated ({_first_line(e)}); copy or "
+                         "download the model again") from None
     except OSError as e:
-        raise ValueError(f"model {name_or_path}: cannot load ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"model {name_or_path}: cannot load ({_first_line(e)})") from None
     return model.eval()
 
 

@@ -30,10 +30,10 @@ from .config import QuantizeConfig
 from .files import atomic_write_json
 from .gptq import gptq_
 from .quant import get_preset, quant_config_dict, quantize_
-from .runs import QUANTIZER_FILE
+from .runs import INIT_REPORT_FILE, QUANTIZER_FILE
 from .student import save_quantizer_state
 
-REPORT_FILE = "quantize.json"
+REPORT_FILE = INIT_REPORT_FILE
 BLOCKS_DIR = "blocks"  # block-wise reconstruction's per-block states and progress.json
 
 
