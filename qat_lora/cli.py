@@ -215,6 +215,7 @@ def main(argv: Sequence[str] | None = None, script: str | None = None, defaults:
     parser = build_parser((argv[0], script) if script and argv else None, defaults)
     args = parser.parse_args(argv)
     from .assets import AssetError
+    from .files import first_line
     from .runs import RunDiverged
 
     if args.command not in ("plot", "presets"):
@@ -226,10 +227,19 @@ def main(argv: Sequence[str] | None = None, script: str | None = None, defaults:
         code = args.func(args)
     except (ValueError, FileNotFoundError, AssetError) as e:
         # User errors end in one line naming the flag or file and the fix; tracebacks are for bugs.
-        print(prefix + (str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr)
+        print(prefix + first_line(e), file=sys.stderr)
         return 2
     except (OSError, RunDiverged) as e:  # a full or read-only disk, a diverged run: not a bad flag, still one line
-        print(prefix + (str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr)
+        print(prefix + first_line(e), file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        from .launch import report_lost_peer
+
+        if not report_lost_peer(e):
+            raise  # a bug: its traceback is what a report needs
+        # This rank's collective timed out or lost its connection: another rank hung or died, and the launcher
+        # names that one; this rank only says what it saw.
+        print(prefix + f"lost contact with the other ranks ({first_line(e)})", file=sys.stderr)
         return 1
     return code or 0
 

@@ -22,3 +22,8 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type when it has none): what a one-line CLI error shows."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

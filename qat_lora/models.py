@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import device as dev
+from .files import first_line
 
 
 def _looks_like_path(name: str) -> bool:
@@ -42,11 +43,7 @@ def load_tokenizer(name_or_path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(location, **kwargs)
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file
-        raise ValueError(f"tokenizer of {name_or_path}: cannot load ({_first_line(e)}); is the file complete?") from None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"tokenizer of {name_or_path}: cannot load ({first_line(e)}); is the file complete?") from None
 
 
 def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -67,10 +64,10 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     try:
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
     except SafetensorError as e:  # a weights file cut short by a full disk or an interrupted copy
-        raise ValueError(f"model {name_or_path}: a weights file is damaged or truncated ({_first_line(e)}); copy or "
+        raise ValueError(f"model {name_or_path}: a weights file is damaged or truncated ({first_line(e)}); copy or "
                          "download the model again") from None
     except OSError as e:
-        raise ValueError(f"model {name_or_path}: cannot load ({_first_line(e)})") from None
+        raise ValueError(f"model {name_or_path}: cannot load ({first_line(e)})") from None
     return model.eval()
 
 
