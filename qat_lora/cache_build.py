@@ -198,7 +198,9 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     mine = {s: np.arange(cfg.rank, len(packed[s][0]), cfg.world_size) for s in data.SPLITS}
     done = {s: sum(len(range(*sh["rows"])) for sh in progress["shards"][s]) for s in data.SPLITS}
     total = sum(int(packed[s][1][mine[s]].sum()) for s in data.SPLITS)
-    log(f"teacher {cfg.teacher} on {device}, rank {cfg.rank}/{cfg.world_size}: {total:,} tokens, "
+    _warn_small_holdout(cfg, len(packed["heldout"][0]), log)
+    who = f", rank {cfg.rank} of {cfg.world_size}" if cfg.world_size > 1 else ""  # one builder has no rank to name
+    log(f"teacher {cfg.teacher} on {device}{who}: {total:,} tokens, "
         + ", ".join(f"{s} {len(mine[s])} x {cfg.seq_len}" for s in data.SPLITS)
         + (f", resuming after {sum(done.values())} sequences" if any(done.values()) else ""))
     started = time.perf_counter()
@@ -218,8 +220,15 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
                "seconds": round(elapsed, 2)}
     path = out / f"manifest-r{cfg.rank:03d}.json"
     atomic_write_json(path, partial)
-    log(f"rank {cfg.rank}: shards written in {elapsed:.1f} s")
+    log(f"{f'rank {cfg.rank}: ' if cfg.world_size > 1 else ''}shards written in {elapsed:.1f} s")
     return merge_manifests(out, log) if cfg.world_size == 1 else path
+
+
+def _warn_small_holdout(cfg: CacheBuildConfig, sequences: int, log: Callable[[str], None]) -> None:
+    """A held-out split of one sequence (or none) makes every held-out number noise; say so, with the fix."""
+    if cfg.holdout_fraction > 0 and sequences <= 1:
+        log(f"warning: the held-out split holds {sequences} sequence(s) of {cfg.seq_len} tokens, too few to measure "
+            "anything; raise --holdout-fraction or --max-tokens (or add documents)")
 
 
 def _build_split(cfg, teacher, device, encoding, split: str, packed: tuple[np.ndarray, np.ndarray],

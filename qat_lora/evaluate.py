@@ -24,11 +24,11 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
                     "quantizer": cfg.quantizer or None}
     if cfg.text:
         result.update(perplexity(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens or None,
-                                 cfg.batch_size, device, cfg.text_decoding()))
+                                 cfg.batch_size, device, cfg.text_decoding(), progress=True))
     if cfg.cache:
         cache = KDCache(cfg.cache)
         cache.check_compatible(tokenizer, models.vocab_size(model), models.max_positions(model))
-        result.update(kd_metrics(model, cache, cfg.batch_size, device))
+        result.update(kd_metrics(model, cache, cfg.batch_size, device, progress=True))
     if cfg.json_out:
         atomic_write_json(cfg.json_out, {**result, "config": asdict(cfg)})
     log(json.dumps(result, indent=2))

@@ -50,7 +50,7 @@ def _train_stage(cfg: RecoverConfig, name: str, quantizer: str, log: Callable[[s
                   seed=cfg.seed, device=cfg.device, resume="auto")
     train_cfg = TrainConfig(**{**common, **fields})
     log(f"stage {name}: {train_cfg.preset}, {train_cfg.max_steps} steps")
-    return train(train_cfg, log)
+    return train(train_cfg, log, rerun="rerun the same qat-lora recover command to continue")
 
 
 def recover(cfg: RecoverConfig, log: Callable[[str], None] = print) -> dict:
