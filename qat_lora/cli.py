@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -208,6 +209,16 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     return parser
 
 
+# The fix for the OS errors a user causes or meets (the message already names the path).
+_OS_FIXES = {errno.ENOSPC: "the disk is full: free space or write elsewhere",
+             errno.EDQUOT: "over the disk quota: free space or write elsewhere",
+             errno.EROFS: "a read-only file system: pass a folder you can write to",
+             errno.EACCES: "pass a path you can write to", errno.EPERM: "pass a path you can write to",
+             errno.EEXIST: "a file stands where a folder is needed: pass another path",
+             errno.ENOTDIR: "a file stands where a folder is needed: pass another path",
+             errno.EISDIR: "a folder stands where a file is needed: pass a file name"}
+
+
 def main(argv: Sequence[str] | None = None, script: str | None = None, defaults: dict | None = None) -> int:
     """Run one command; `script` names the scripts/ file that called it (its --help and errors say so) and
     `defaults` overrides flag defaults for that script (train_qat.py: --preset qat)."""
@@ -230,7 +241,8 @@ def main(argv: Sequence[str] | None = None, script: str | None = None, defaults:
         print(prefix + first_line(e), file=sys.stderr)
         return 2
     except (OSError, RunDiverged) as e:  # a full or read-only disk, a diverged run: not a bad flag, still one line
-        print(prefix + first_line(e), file=sys.stderr)
+        fix = _OS_FIXES.get(getattr(e, "errno", None))
+        print(prefix + first_line(e) + (f"; {fix}" if fix else ""), file=sys.stderr)
         return 1
     except RuntimeError as e:
         from .launch import report_lost_peer

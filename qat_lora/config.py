@@ -321,6 +321,8 @@ class ExportConfig(StudentSpec):
         if self.cache and not self.merge_adapter:
             raise ValueError("--cache only feeds the merge report: add --merge-adapter (with --adapter) or drop "
                              "--cache")
+        if not self.model:
+            raise ValueError("--model is required: the full-precision model folder, .gguf file or hub name")
         self.quant_from_run()
         if not self.quant:
             raise ValueError("--quant is required for export: the preset the student was trained with (read from "
@@ -437,6 +439,8 @@ class CacheBuildConfig(TextInput):
         _require_positive(self, "seq_len", "batch_size", "shard_sequences", "world_size")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens {self.max_tokens}: must be >= 0 (0 = the whole corpus)")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ValueError(f"--holdout-fraction {self.holdout_fraction}: must be in [0, 1)")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"--rank {self.rank}: must be in [0, --world-size {self.world_size})")
         if self.resume and self.overwrite:

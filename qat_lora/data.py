@@ -62,7 +62,7 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists())
 
 
-def list_text_files(paths: Sequence[str | Path]) -> list[Path]:
+def list_text_files(paths: Sequence[str | Path], flag: str = "--data") -> list[Path]:
     """Expand files and folders into a sorted list of text files and saved datasets.
 
     Raises:
@@ -78,9 +78,9 @@ def list_text_files(paths: Sequence[str | Path]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise ValueError(f"--data {raw}: no such file or folder")
+            raise ValueError(f"{flag} {raw}: no such file or folder")
     if not files:
-        raise ValueError(f"--data {' '.join(map(str, paths))}: no .txt or .jsonl files found")
+        raise ValueError(f"{flag} {' '.join(map(str, paths))}: no .txt or .jsonl files found")
     return files
 
 

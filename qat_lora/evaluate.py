@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from . import device as dev, models
+from . import data, device as dev, models
 from .cache import KDCache
 from .config import EvalConfig
 from .files import atomic_write_json
@@ -17,6 +17,10 @@ from .student import load_student, resolve_attn
 
 def evaluate(cfg: EvalConfig, log=print) -> dict:
     """Run the metrics `cfg` asks for; returns (and optionally writes) a JSON-ready dict."""
+    if cfg.text:
+        data.list_text_files(cfg.text, "--text")  # a typo in --text fails before the model loads
+    if cfg.cache:
+        KDCache(cfg.cache)
     device = dev.resolve_device(cfg.device)
     tokenizer = models.load_tokenizer(cfg.model)
     model = load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)).to(device)

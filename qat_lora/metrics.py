@@ -26,7 +26,7 @@ def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int 
     limit = models.max_positions(model)
     if limit is not None and seq_len > limit:
         raise ValueError(f"--seq-len {seq_len}: longer than the model's context ({limit} positions)")
-    stream = data.token_stream(data.list_text_files(text), tokenizer, max_tokens, decoding=decoding)
+    stream = data.token_stream(data.list_text_files(text, "--text"), tokenizer, max_tokens, decoding=decoding)
     if len(stream) < 2:
         raise ValueError(f"--text {' '.join(text)}: no text found")
     input_ids, mask = data.pack(stream, seq_len)

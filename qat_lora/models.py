@@ -30,6 +30,8 @@ def _location(name_or_path: str | Path) -> tuple[str, dict]:
         if not (path / "config.json").exists():
             raise ValueError(f"model {name}: folder has no config.json; pass a transformers model folder or a .gguf file")
         return str(path), {}
+    if path.is_file():
+        raise ValueError(f"model {name}: a file, not a model; pass a transformers model folder or a .gguf file")
     if path.exists() or _looks_like_path(name):
         raise ValueError(f"model {name}: no such model folder or .gguf file")
     return name, {}  # a hub name
