@@ -69,11 +69,15 @@ class _ShardWriter:
         packed = [self.encoding.pack_row(s, self.vocab_size) for s in selected]
         arrays = {**base, **_stack_rows(packed, self.encoding.ragged_keys)}
         tmp = self.out / (name + ".tmp")
-        save_file(arrays, str(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; caches are meant to be shared
-        os.replace(tmp, self.out / name)
+        try:
+            save_file(arrays, str(tmp))
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; caches are meant to be shared
+            os.replace(tmp, self.out / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half shard behind, not even under its temp name
+            raise
         self.progress["shards"][split].append({"file": name, "rows": rows, "bytes": (self.out / name).stat().st_size,
                                                "sha256": sha256_file(self.out / name)})
         atomic_write_json(self.progress_path, self.progress)
