@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -195,3 +196,32 @@ def test_disk_full_while_building_a_cache_is_one_line_exit_1_and_leaves_no_half_
     assert code == 1 and err[-1].startswith("qat-lora build-cache: error: [Errno 28] No space left on device: ")
     assert err[-1].endswith("; the disk is full: free space or write elsewhere")
     assert not [p for p in out.iterdir() if p.suffix in (".safetensors", ".tmp") or p.name == "manifest.json"]
+
+
+@pytest.mark.parametrize("command", ["train", "build-cache", "export", "quantize", "eval"])
+def test_read_only_output_folder_is_one_line_exit_1(command, teacher_dir, cache_dir, corpus_dir, tmp_path,
+                                                    monkeypatch, capsys):
+    """A folder on a read-only mount: running as root, chmod cannot make one, so os.mkdir raises what the
+    kernel would (EROFS) for any path under it."""
+    read_only = tmp_path / "mnt"
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if str(path).startswith(str(read_only)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    out = read_only / "out"
+    argv = {"train": ["train", "--model", str(teacher_dir), "--cache", str(cache_dir), "--quant", "w2g32",
+                      "--max-steps", "1", "--out", str(out), *TRAIN],
+            "build-cache": ["build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir), "--seq-len", "32",
+                            "--max-tokens", "300", "--out", str(out), "--device", "cpu"],
+            "export": ["export", "--model", str(teacher_dir), "--quant", "w2g32", "--out", str(out)],
+            "quantize": ["quantize", "--model", str(teacher_dir), "--quant", "w2g32", "--init", "none", "--out",
+                         str(out)],
+            "eval": _eval(teacher_dir, "--text", str(corpus_dir), "--json-out", str(out / "eval.json"))}[command]
+    code, err = run_cli(argv, capsys)
+    assert code == 1 and err[-1].startswith(f"qat-lora {command}: error: [Errno 30] Read-only file system: ")
+    assert err[-1].endswith("; a read-only file system: pass a folder you can write to")
+    assert not read_only.exists()
