@@ -77,12 +77,16 @@ class StudentSpec:
             get_preset(self.quant)
         if self.quantizer and not self.quant:
             raise ValueError("--quantizer needs --quant: it belongs to a quantised student (pass the run's --quant)")
+        self._check_quantizer_file()
+
+    def _check_quantizer_file(self) -> None:
         if self.quantizer and not Path(self.quantizer).is_file():
             raise ValueError(f"--quantizer {self.quantizer}: no such file; pass a qat run's quantizer.safetensors")
 
     def quant_from_run(self) -> None:
         """Eval and export read --quant from the run that wrote --adapter / --quantizer (not re-typed): an empty
         --quant becomes the run's; a different one is refused (the student would silently be another)."""
+        self._check_quantizer_file()  # a typo in the path is the error to report, not the --quant it would give
         for flag, path in (("--adapter", getattr(self, "adapter", "")), ("--quantizer", self.quantizer)):
             found = recorded_quant(path) if path else None
             if found is None:
