@@ -149,7 +149,9 @@ class TrainConfig(StudentSpec):
                                                                           "(torch_xla's checkpoint on XLA)"})
     attn_implementation: str = field(default="auto", metadata={"help": "auto (eager on XLA, sdpa elsewhere), eager, sdpa"})
     xla_cache_dir: str = field(default="", metadata={"help": "persistent XLA compile cache folder (XLA devices only)"})
-    dist_timeout_s: float = field(default=600.0, metadata={"help": "torch.distributed collective timeout in seconds"})
+    dist_timeout_s: float = field(default=600.0, metadata={"help": "seconds a rank waits for the others in a "
+                                                               "collective (set-up included) before giving up; the "
+                                                               "launcher then names the rank that hung"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing run in --out"})
 
     def __post_init__(self) -> None:
