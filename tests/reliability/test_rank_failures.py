@@ -92,3 +92,19 @@ def test_more_chips_than_cores_is_refused_before_anything_starts(teacher_dir, ca
     assert code == 2 and err == [f"qat-lora train: error: --num-chips {chips}: this host has {os.cpu_count()} CPU "
                                  f"cores; pass --num-chips {os.cpu_count()} or fewer"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("world_size, error, lost", [
+    ("2", RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation"), True),
+    ("2", RuntimeError("[gloo/transport/tcp/pair.cc:538] Read error: Connection reset by peer"), True),
+    ("2", RuntimeError("CUDA out of memory"), False),  # this rank's own failure: it is the one to blame
+    ("1", RuntimeError("Timed out waiting 20000ms for recv operation"), False),  # no peers: not a lost rank
+])
+def test_a_rank_reports_a_lost_peer_only_for_collective_failures(world_size, error, lost, tmp_path, monkeypatch):
+    from qat_lora.launch import STATUS_ENV, report_lost_peer
+
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(STATUS_ENV, str(tmp_path))
+    assert report_lost_peer(error) is lost
+    assert (tmp_path / "rank-1.lost").exists() is lost  # what the launcher reads to blame another rank
