@@ -131,7 +131,8 @@ def _check_out(cfg: CacheBuildConfig) -> Path:
     if (out / MANIFEST).exists() and not cfg.overwrite:
         raise ValueError(f"--out {out}: a cache already exists there; pass --overwrite or choose another folder")
     if not cfg.resume and any(mine in p.name for p in out.glob("*.safetensors")) and not cfg.overwrite:
-        raise ValueError(f"--out {out}: holds an unfinished build of rank {cfg.rank}; pass --resume or --overwrite")
+        whose = f" of rank {cfg.rank}" if cfg.world_size > 1 else ""
+        raise ValueError(f"--out {out}: holds an unfinished build{whose}; pass --resume or --overwrite")
     return out
 
 

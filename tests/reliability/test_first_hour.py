@@ -95,3 +95,18 @@ def test_demo_stopped_by_sigterm_names_a_command_that_continues_it(tmp_path, tea
     monkeypatch.setattr(train_module, "forward_loss", real)
     result = run_demo(cfg)  # the command it names: the same demo again
     assert "resumed from" in capsys.readouterr().out and result["train"]["steps"] == 4
+
+
+def test_an_interrupted_single_process_build_says_how_to_continue_without_naming_a_rank(teacher_dir, corpus_dir,
+                                                                                        tmp_path, capsys):
+    out = tmp_path / "cache"
+    argv = ["build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir), "--seq-len", "32",
+            "--max-tokens", "600", "--shard-sequences", "4", "--out", str(out), "--device", "cpu"]
+    assert main(argv) == 0
+    for name in ("manifest.json", "manifest-r000.json"):  # as a kill before the end of the build leaves it
+        (out / name).unlink()
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (f"qat-lora build-cache: error: --out {out}: holds an unfinished build; "
+                                               "pass --resume or --overwrite")
+    assert main(argv + ["--resume"]) == 0 and main(["cache", "verify", str(out)]) == 0
