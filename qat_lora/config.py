@@ -13,10 +13,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .data import TextDecoding
 from .device import MATMUL_PRECISIONS
 from .encodings import SampledEncoding, TopKEncoding
 from .loss import KDLossConfig
 from .quant import get_preset
+from .runs import recorded_quant
 
 # What each training preset trains: LoRA adapters over the frozen quantised base, the quantiser's own
 # parameters (scales, zeros, codebooks, low-rank scale factors; LSQ-style), the latent weights themselves
@@ -45,12 +47,26 @@ def _require_non_negative(cfg, *names: str, note: str = "") -> None:
 
 
 @dataclass
+class TextInput:
+    """How a command decodes the text files it reads: a non-UTF-8 corpus is named, or decoded as the user says."""
+
+    text_encoding: str = field(default="utf-8", metadata={"help": "encoding of the text files read (e.g. latin-1, "
+                                                                  "cp1252)"})
+    text_errors: str = field(default="strict", metadata={"help": "bytes that do not decode: strict (stop, naming the "
+                                                                 "file), replace or ignore"})
+
+    def text_decoding(self) -> TextDecoding:
+        """Raises ValueError naming --text-encoding / --text-errors when Python knows no such codec or handler."""
+        return TextDecoding(self.text_encoding, self.text_errors)
+
+
+@dataclass
 class StudentSpec:
     """The quantised student: a full-precision model, a quantisation preset, and optionally a qat run's
     trained quantiser. Train, eval and export share these flags and their checks."""
 
     model: str = field(default="", metadata={"help": "full-precision model (transformers folder, .gguf or hub "
-                                                     "name); required"})
+                                                     "name)", "required": True})
     quant: str = field(default="w3g64", metadata={"help": "quantisation preset (see `qat-lora presets`)"})
     quantizer: str = field(default="", metadata={"help": "a qat run's quantizer.safetensors (its trained scales, "
                                                           "zeros, codebooks); the student must use the same --quant"})
@@ -62,8 +78,26 @@ class StudentSpec:
             get_preset(self.quant)
         if self.quantizer and not self.quant:
             raise ValueError("--quantizer needs --quant: it belongs to a quantised student (pass the run's --quant)")
+        self._check_quantizer_file()
+
+    def _check_quantizer_file(self) -> None:
         if self.quantizer and not Path(self.quantizer).is_file():
             raise ValueError(f"--quantizer {self.quantizer}: no such file; pass a qat run's quantizer.safetensors")
+
+    def quant_from_run(self) -> None:
+        """Eval and export read --quant from the run that wrote --adapter / --quantizer (not re-typed): an empty
+        --quant becomes the run's; a different one is refused (the student would silently be another)."""
+        self._check_quantizer_file()  # a typo in the path is the error to report, not the --quant it would give
+        for flag, path in (("--adapter", getattr(self, "adapter", "")), ("--quantizer", self.quantizer)):
+            found = recorded_quant(path) if path else None
+            if found is None:
+                continue
+            quant, record = found
+            if not self.quant:
+                self.quant = quant
+            elif self.quant != quant:
+                raise ValueError(f"--quant {self.quant}: {flag} {path} was trained with --quant {quant} ({record}); "
+                                 f"drop --quant or pass --quant {quant}")
 
     def student_spec(self) -> "StudentSpec":
         """Just the student part of a command's config."""
@@ -122,7 +156,9 @@ class TrainConfig(StudentSpec):
                                                                           "(torch_xla's checkpoint on XLA)"})
     attn_implementation: str = field(default="auto", metadata={"help": "auto (eager on XLA, sdpa elsewhere), eager, sdpa"})
     xla_cache_dir: str = field(default="", metadata={"help": "persistent XLA compile cache folder (XLA devices only)"})
-    dist_timeout_s: float = field(default=600.0, metadata={"help": "torch.distributed collective timeout in seconds"})
+    dist_timeout_s: float = field(default=600.0, metadata={"help": "seconds a rank waits for the others in a "
+                                                               "collective (set-up included) before giving up; the "
+                                                               "launcher then names the rank that hung"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing run in --out"})
 
     def __post_init__(self) -> None:
@@ -162,8 +198,9 @@ class TrainConfig(StudentSpec):
 
 
 @dataclass
-class EvalConfig(StudentSpec):
-    quant: str = field(default="", metadata={"help": "quantisation preset; empty = evaluate the model unquantised"})
+class EvalConfig(TextInput, StudentSpec):
+    quant: str = field(default="", metadata={"help": "quantisation preset (default: the one the run of --adapter / "
+                                                     "--quantizer recorded; none: the model unquantised)"})
     adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to attach"})
     text: list[str] = field(default_factory=list, metadata={"help": "held-out text files or folders for perplexity"})
     cache: str = field(default="", metadata={"help": "KD cache whose held-out split gives KD loss and top-1"})
@@ -176,8 +213,10 @@ class EvalConfig(StudentSpec):
     def __post_init__(self) -> None:
         if not self.text and not self.cache:
             raise ValueError("eval: pass --text (perplexity) and/or --cache (KD metrics)")
+        self.quant_from_run()
         if self.adapter and not self.quant:
             raise ValueError("--adapter needs --quant: it belongs to a quantised student (pass the run's --quant)")
+        self.text_decoding()
         super().__post_init__()
 
 
@@ -281,6 +320,8 @@ EXPORT_FORMATS = ("packed", "dense", "both", "gguf")
 
 @dataclass
 class ExportConfig(StudentSpec):
+    quant: str = field(default="", metadata={"help": "quantisation preset (default: the one the run of --adapter / "
+                                                     "--quantizer recorded)"})
     adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
     out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, gguf/, export.json)"})
     format: str = field(default="both", metadata={"help": "packed, dense, both, or gguf (gguf/model.gguf for llama.cpp; "
@@ -301,8 +342,12 @@ class ExportConfig(StudentSpec):
         if self.cache and not self.merge_adapter:
             raise ValueError("--cache only feeds the merge report: add --merge-adapter (with --adapter) or drop "
                              "--cache")
+        if not self.model:
+            raise ValueError("--model is required: the full-precision model folder, .gguf file or hub name")
+        self.quant_from_run()
         if not self.quant:
-            raise ValueError("--quant is required for export: the preset the student was trained with")
+            raise ValueError("--quant is required for export: the preset the student was trained with (read from "
+                             "the run when --adapter or --quantizer comes from one)")
         super().__post_init__()
 
 
@@ -333,10 +378,11 @@ class DemoConfig:
 
 
 @dataclass
-class GenerateDataConfig:
+class GenerateDataConfig(TextInput):
     """A corpus sampled from the teacher (self_data.py): continuations of corpus passages or of prompts."""
 
-    model: str = field(default="", metadata={"help": "teacher: transformers folder (it writes the text)"})
+    model: str = field(default="", metadata={"help": "teacher: transformers folder (it writes the text)",
+                                             "required": True})
     out: str = field(default="data/self", metadata={"help": "output folder: part-*.jsonl + generate.json"})
     data: list[str] = field(default_factory=list, metadata={"help": "corpus whose passages' first tokens are the "
                                                                     "prompts (training text, never eval text)"})
@@ -366,18 +412,22 @@ class GenerateDataConfig:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.shard_samples > 1000:  # batch seeds are seed + 1000 * shard + batch start: keep them distinct
             raise ValueError(f"--shard-samples {self.shard_samples}: at most 1000")
+        self.text_decoding()
 
 
 TEACHER_DTYPES = ("fp32", "bf16")
 # Build flags added after caches existed, at the value that reproduces those caches: left out of the
 # fingerprint at that value, so an interrupted build from before them still resumes.
-_LATER_BUILD_FIELDS = {"dtype": "fp32", "matmul_precision": "default", "num_chips": 1}
+_LATER_BUILD_FIELDS = {"dtype": "fp32", "matmul_precision": "default", "num_chips": 1, "text_encoding": "utf-8",
+                       "text_errors": "strict"}
 
 
 @dataclass
-class CacheBuildConfig:
-    teacher: str = field(default="", metadata={"help": "teacher: transformers folder, .gguf file or hub name"})
-    data: list[str] = field(default_factory=list, metadata={"help": "text files or folders (.txt, .jsonl, datasets on disk)"})
+class CacheBuildConfig(TextInput):
+    teacher: str = field(default="", metadata={"help": "teacher: transformers folder, .gguf file or hub name",
+                                               "required": True})
+    data: list[str] = field(default_factory=list, metadata={"help": "text files or folders (.txt, .jsonl, datasets "
+                                                                    "on disk)", "required": True})
     out: str = field(default="caches/kd", metadata={"help": "output folder"})
     seq_len: int = field(default=512, metadata={"help": "tokens per packed sequence"})
     encoding: str = field(default="topk", metadata={"help": "topk (top-K + tail) or sampled (RS-KD)"})
@@ -406,10 +456,16 @@ class CacheBuildConfig:
     overwrite: bool = field(default=False, metadata={"help": "replace an existing cache in --out"})
 
     def __post_init__(self) -> None:
+        if not self.teacher:
+            raise ValueError("--teacher is required: the teacher's transformers folder, .gguf file or hub name")
+        if not self.data:
+            raise ValueError("--data is required: the text files or folders to cache (.txt, .jsonl)")
         _require_positive(self, "seq_len", "batch_size", "shard_sequences", "world_size")
         _require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens {self.max_tokens}: must be >= 0 (0 = the whole corpus)")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ValueError(f"--holdout-fraction {self.holdout_fraction}: must be in [0, 1)")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"--rank {self.rank}: must be in [0, --world-size {self.world_size})")
         if self.resume and self.overwrite:
@@ -419,6 +475,7 @@ class CacheBuildConfig:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"--matmul-precision {self.matmul_precision!r}: choose one of {', '.join(MATMUL_PRECISIONS)}")
         self.target_encoding()
+        self.text_decoding()
 
     def target_encoding(self) -> TopKEncoding | SampledEncoding:
         if self.encoding == "topk":

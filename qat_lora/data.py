@@ -6,6 +6,7 @@ so a token budget draws about equally from every file rather than only from the 
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import heapq
 import json
@@ -27,12 +28,41 @@ class Document:
     source: str  # the file it came from; decides the separator when packing
 
 
+@dataclass(frozen=True)
+class TextDecoding:
+    """How text files are decoded (--text-encoding, --text-errors): UTF-8 and strict unless the user says
+    otherwise, so a Latin-1 file is named instead of silently turned into replacement characters."""
+
+    encoding: str = "utf-8"
+    errors: str = "strict"
+
+    def __post_init__(self) -> None:
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise ValueError(f"--text-encoding {self.encoding}: unknown encoding; e.g. utf-8, latin-1, cp1252") from None
+        try:
+            codecs.lookup_error(self.errors)
+        except LookupError:
+            raise ValueError(f"--text-errors {self.errors}: choose strict, replace or ignore") from None
+
+    def lines(self, path: Path) -> Iterator[str]:
+        """The lines of `path`; a byte that does not decode is one error naming the file and the fix."""
+        try:
+            with path.open(encoding=self.encoding, errors=self.errors) as f:
+                yield from f
+        except UnicodeError as e:
+            what = f"byte 0x{e.object[e.start:e.start + 1].hex()}" if isinstance(e, UnicodeDecodeError) else "a byte"
+            raise ValueError(f"{path}: not {self.encoding} text ({what} does not decode); pass --text-encoding "
+                             "(e.g. latin-1) or --text-errors replace") from None
+
+
 def is_saved_dataset(path: Path) -> bool:
     """A folder written by `datasets.Dataset.save_to_disk`."""
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists())
 
 
-def list_text_files(paths: Sequence[str | Path]) -> list[Path]:
+def list_text_files(paths: Sequence[str | Path], flag: str = "--data") -> list[Path]:
     """Expand files and folders into a sorted list of text files and saved datasets.
 
     Raises:
@@ -48,9 +78,9 @@ def list_text_files(paths: Sequence[str | Path]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise ValueError(f"--data {raw}: no such file or folder")
+            raise ValueError(f"{flag} {raw}: no such file or folder")
     if not files:
-        raise ValueError(f"--data {' '.join(map(str, paths))}: no .txt or .jsonl files found")
+        raise ValueError(f"{flag} {' '.join(map(str, paths))}: no .txt or .jsonl files found")
     return files
 
 
@@ -68,11 +98,13 @@ def _record_text(record: dict, where: str, text_field: str, chat_template) -> st
     return text
 
 
-def iter_documents(path: Path, text_field: str = "text", chat_template=None) -> Iterator[Document]:
+def iter_documents(path: Path, text_field: str = "text", chat_template=None,
+                   decoding: TextDecoding = TextDecoding()) -> Iterator[Document]:
     """Yield the non-empty documents of one file or saved dataset.
 
     Args:
         chat_template: `tokenizer.apply_chat_template` when records hold chat `messages`; None for plain text.
+        decoding: how .txt / .jsonl bytes become text.
     """
     if is_saved_dataset(path):
         try:
@@ -85,28 +117,26 @@ def iter_documents(path: Path, text_field: str = "text", chat_template=None) -> 
                 yield Document(text.strip(), str(path))
         return
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
-                text = _record_text(record, f"{path}:{line_no}", text_field, chat_template)
-                if text.strip():
-                    yield Document(text.strip(), str(path))
+        for line_no, line in enumerate(decoding.lines(path), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
+            text = _record_text(record, f"{path}:{line_no}", text_field, chat_template)
+            if text.strip():
+                yield Document(text.strip(), str(path))
         return
     if chat_template is not None:
         raise ValueError(f"--chat: {path} is plain text; chat data comes as .jsonl records with 'messages'")
     block: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                block.append(line.rstrip("\n"))
-            elif block:
-                yield Document("\n".join(block), str(path))
-                block = []
+    for line in decoding.lines(path):
+        if line.strip():
+            block.append(line.rstrip("\n"))
+        elif block:
+            yield Document("\n".join(block), str(path))
+            block = []
     if block:
         yield Document("\n".join(block), str(path))
 
@@ -137,15 +167,15 @@ def _interleaved(streams: list[Iterator[tuple[Document, list[int]]]]) -> Iterato
             yield item
 
 
-def tokenized_documents(files: Sequence[Path], tokenizer, text_field: str = "text",
-                        chat: bool = False) -> Iterator[tuple[Document, list[int]]]:
+def tokenized_documents(files: Sequence[Path], tokenizer, text_field: str = "text", chat: bool = False,
+                        decoding: TextDecoding = TextDecoding()) -> Iterator[tuple[Document, list[int]]]:
     """(document, token ids without added special tokens), files interleaved by token count."""
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError("--chat: the teacher's tokenizer has no chat template")
     template = tokenizer.apply_chat_template if chat else None
 
     def stream(path: Path) -> Iterator[tuple[Document, list[int]]]:
-        for doc in iter_documents(path, text_field, template):
+        for doc in iter_documents(path, text_field, template, decoding):
             yield doc, tokenizer(doc.text, add_special_tokens=False)["input_ids"]
 
     return _interleaved([stream(p) for p in files])
@@ -200,7 +230,8 @@ def pack(tokens: Sequence[int], seq_len: int, pad_id: int = 0) -> tuple[np.ndarr
     return input_ids, mask
 
 
-def token_stream(files: Sequence[Path], tokenizer, max_tokens: int | None, text_field: str = "text") -> list[int]:
+def token_stream(files: Sequence[Path], tokenizer, max_tokens: int | None, text_field: str = "text",
+                 decoding: TextDecoding = TextDecoding()) -> list[int]:
     """Every document of `files` joined into one token stream (no held-out split), cut at `max_tokens`."""
-    docs = tokenized_documents(files, tokenizer, text_field)
+    docs = tokenized_documents(files, tokenizer, text_field, decoding=decoding)
     return split_token_streams(docs, tokenizer, 0.0, max_tokens)["train"]

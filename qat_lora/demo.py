@@ -7,7 +7,10 @@ this budget (docs/RESULTS.md); the longer chains (block-wise, weight-qat) are `q
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from . import device as dev
@@ -48,6 +51,17 @@ def _init(cfg: DemoConfig, teacher: str, cache_dir: Path, work: Path) -> str:
     return str(Path(init.out) / QUANTIZER_FILE)
 
 
+def _train_config(cfg: DemoConfig, teacher: str, cache_dir: Path, quantizer: str, work: Path) -> TrainConfig:
+    """The demo's LoRA run, resumable: its folder is named by its settings, so a rerun after a stop continues
+    it (a finished one is reused) and a rerun with other flags starts its own."""
+    run = TrainConfig(model=teacher, cache=str(cache_dir), quant=cfg.quant, quantizer=quantizer, out="",
+                      max_steps=cfg.max_steps, batch_size=cfg.batch_size, lr=cfg.lr, lora_r=cfg.lora_r,
+                      lora_alpha=2.0 * cfg.lora_r, warmup_steps=max(1, cfg.max_steps // 20), device=cfg.device,
+                      resume="auto")
+    key = hashlib.sha256(json.dumps(asdict(run), sort_keys=True).encode()).hexdigest()[:8]
+    return replace(run, out=str(work / f"run-{cfg.quant}-{cfg.init}-{key}"))
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo end to end; prints the table and writes `work_dir/demo.json`."""
     from .assets import fetch_assets
@@ -61,16 +75,13 @@ def run_demo(cfg: DemoConfig) -> dict:
     if not (cache_dir / "manifest.json").exists():
         build_cache(CacheBuildConfig(teacher=teacher, data=[str(assets.train_text_dir)], out=str(cache_dir),
                                      seq_len=cfg.seq_len, top_k=cfg.top_k, max_tokens=cfg.cache_tokens,
-                                     holdout_fraction=0.05, batch_size=cfg.batch_size, device=cfg.device))
+                                     holdout_fraction=0.05, batch_size=cfg.batch_size, device=cfg.device,
+                                     resume=True))  # a build the last demo left unfinished continues
     cache = KDCache(cache_dir)
     tokenizer = load_tokenizer(teacher)
     quantizer = _init(cfg, teacher, cache_dir, work)
-    run_dir = work / f"run-{cfg.quant}-{cfg.init}"
-    summary = train(TrainConfig(model=teacher, cache=str(cache_dir), quant=cfg.quant, quantizer=quantizer,
-                                out=str(run_dir),
-                                max_steps=cfg.max_steps, batch_size=cfg.batch_size, lr=cfg.lr, lora_r=cfg.lora_r,
-                                lora_alpha=2.0 * cfg.lora_r, warmup_steps=max(1, cfg.max_steps // 20),
-                                device=cfg.device, overwrite=True))
+    summary = train(_train_config(cfg, teacher, cache_dir, quantizer, work),
+                    rerun="rerun the same qat-lora demo command to continue (the cache, init and checkpoints are kept)")
     print(f"held-out evaluation ({cfg.eval_tokens:,} Wikipedia tokens at context {cfg.seq_len}):")
     students = [("teacher", "", "", ""), ("ptq", cfg.quant, "", "")]
     if quantizer:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from . import device as dev, models
+from . import data, device as dev, models
 from .cache import KDCache
 from .config import EvalConfig
 from .files import atomic_write_json
@@ -17,6 +17,10 @@ from .student import load_student, resolve_attn
 
 def evaluate(cfg: EvalConfig, log=print) -> dict:
     """Run the metrics `cfg` asks for; returns (and optionally writes) a JSON-ready dict."""
+    if cfg.text:
+        data.list_text_files(cfg.text, "--text")  # a typo in --text fails before the model loads
+    if cfg.cache:
+        KDCache(cfg.cache)
     device = dev.resolve_device(cfg.device)
     tokenizer = models.load_tokenizer(cfg.model)
     model = load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)).to(device)
@@ -24,11 +28,11 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
                     "quantizer": cfg.quantizer or None}
     if cfg.text:
         result.update(perplexity(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens or None,
-                                 cfg.batch_size, device))
+                                 cfg.batch_size, device, cfg.text_decoding(), progress=True))
     if cfg.cache:
         cache = KDCache(cfg.cache)
         cache.check_compatible(tokenizer, models.vocab_size(model), models.max_positions(model))
-        result.update(kd_metrics(model, cache, cfg.batch_size, device))
+        result.update(kd_metrics(model, cache, cfg.batch_size, device, progress=True))
     if cfg.json_out:
         atomic_write_json(cfg.json_out, {**result, "config": asdict(cfg)})
     log(json.dumps(result, indent=2))

@@ -22,3 +22,16 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type when it has none): what a one-line CLI error shows."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def require_folder(out: str | Path, what: str) -> Path:
+    """`out` as a Path, refusing an existing file (before anything loads): --out must name a folder."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; pass a folder for {what}")
+    return out

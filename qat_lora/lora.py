@@ -51,4 +51,17 @@ def load_recovery_lora(model: nn.Module, adapter_dir: str | Path):
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").exists():
         raise ValueError(f"--adapter {adapter_dir}: no adapter_config.json; pass a run's adapter/ folder")
-    return PeftModel.from_pretrained(model, str(adapter_dir))
+    from safetensors import SafetensorError
+
+    try:
+        return PeftModel.from_pretrained(model, str(adapter_dir))
+    except SafetensorError as e:
+        raise ValueError(f"--adapter {adapter_dir}: its weights are damaged or truncated ({e}); use the run's intact "
+                         "adapter/ or a checkpoint's") from None
+    except RuntimeError as e:  # load_state_dict's size mismatch: the adapter was trained on another model
+        mismatch = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), None)
+        if mismatch is None:
+            raise
+        detail = mismatch.removeprefix("size mismatch for ").rstrip(".")
+        raise ValueError(f"--adapter {adapter_dir}: made for another model ({detail}); pass the --model its run "
+                         "trained") from None

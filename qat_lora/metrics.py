@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from . import data, device as dev, models
 from .cache import KDCache
@@ -19,18 +20,19 @@ EVAL_CHUNK = 128  # positions per lm_head chunk: bounds eval memory without chan
 
 @torch.no_grad()
 def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int | None, batch_size: int,
-               device: torch.device) -> dict:
-    """exp(mean next-token NLL) over non-overlapping windows of `seq_len` tokens of the given text."""
+               device: torch.device, decoding: data.TextDecoding = data.TextDecoding(), progress: bool = False) -> dict:
+    """exp(mean next-token NLL) over non-overlapping windows of `seq_len` tokens of the given text (`progress`:
+    a bar on stderr, for commands a user watches)."""
     limit = models.max_positions(model)
     if limit is not None and seq_len > limit:
         raise ValueError(f"--seq-len {seq_len}: longer than the model's context ({limit} positions)")
-    stream = data.token_stream(data.list_text_files(text), tokenizer, max_tokens)
+    stream = data.token_stream(data.list_text_files(text, "--text"), tokenizer, max_tokens, decoding=decoding)
     if len(stream) < 2:
         raise ValueError(f"--text {' '.join(text)}: no text found")
     input_ids, mask = data.pack(stream, seq_len)
     nll_sum = torch.zeros((), device=device, dtype=torch.float64)
     count = torch.zeros((), device=device, dtype=torch.float64)
-    for start in range(0, len(input_ids), batch_size):
+    for start in tqdm(range(0, len(input_ids), batch_size), desc="perplexity", unit="batch", disable=not progress):
         ids = np.zeros((batch_size, seq_len), dtype=np.int64)  # fixed shape: the last batch is padded + masked
         real = np.zeros((batch_size, seq_len), dtype=np.uint8)
         ids[:len(input_ids[start:start + batch_size])] = input_ids[start:start + batch_size]
@@ -45,14 +47,17 @@ def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int 
 
 
 @torch.no_grad()
-def kd_metrics(model, cache: KDCache, batch_size: int, device: torch.device, split: str = "heldout") -> dict:
+def kd_metrics(model, cache: KDCache, batch_size: int, device: torch.device, split: str = "heldout",
+               progress: bool = False) -> dict:
     """Soft CE, KL over the K+1 buckets, hard CE and top-1 agreement with the teacher, token-averaged."""
     if cache.num_sequences(split) == 0:
         raise ValueError(f"--cache {cache.path}: the {split} split is empty; rebuild with a larger "
                          "--holdout-fraction or --max-tokens")
     keys = ("soft_ce_sum", "kl_sum", "top1_sum", "ce_sum", "kd_tokens", "ce_tokens")
     sums = {k: torch.zeros((), device=device, dtype=torch.float64) for k in keys}
-    for batch in cache.batches(split, batch_size, shuffle=False, drop_last=False):
+    batches = cache.batches(split, batch_size, shuffle=False, drop_last=False)
+    for batch in tqdm(batches, desc=f"KD metrics ({split})", unit="batch", disable=not progress,
+                      total=-(-cache.num_sequences(split) // batch_size)):
         batch = {k: v.to(device) for k, v in batch.items()}
         parts = forward_loss(model, batch, KDLossConfig(), EVAL_CHUNK)
         for k in keys:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import device as dev
+from .files import first_line
 
 
 def _looks_like_path(name: str) -> bool:
@@ -29,6 +30,8 @@ def _location(name_or_path: str | Path) -> tuple[str, dict]:
         if not (path / "config.json").exists():
             raise ValueError(f"model {name}: folder has no config.json; pass a transformers model folder or a .gguf file")
         return str(path), {}
+    if path.is_file():
+        raise ValueError(f"model {name}: a file, not a model; pass a transformers model folder or a .gguf file")
     if path.exists() or _looks_like_path(name):
         raise ValueError(f"model {name}: no such model folder or .gguf file")
     return name, {}  # a hub name
@@ -41,8 +44,8 @@ def load_tokenizer(name_or_path: str | Path):
     location, kwargs = _location(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(location, **kwargs)
-    except OSError as e:
-        raise ValueError(f"tokenizer of {name_or_path}: cannot load ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file
+        raise ValueError(f"tokenizer of {name_or_path}: cannot load ({first_line(e)}); is the file complete?") from None
 
 
 def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -58,10 +61,15 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     location, kwargs = _location(name_or_path)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
+    except SafetensorError as e:  # a weights file cut short by a full disk or an interrupted copy
+        raise ValueError(f"model {name_or_path}: a weights file is damaged or truncated ({first_line(e)}); copy or "
+                         "download the model again") from None
     except OSError as e:
-        raise ValueError(f"model {name_or_path}: cannot load ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"model {name_or_path}: cannot load ({first_line(e)})") from None
     return model.eval()
 
 

@@ -27,13 +27,13 @@ from .cache import KDCache
 from .blockwise import reconstruct_blocks_
 from .calibration import activation_importance
 from .config import QuantizeConfig
-from .files import atomic_write_json
+from .files import atomic_write_json, require_folder
 from .gptq import gptq_
 from .quant import get_preset, quant_config_dict, quantize_
-from .runs import QUANTIZER_FILE
+from .runs import INIT_REPORT_FILE, QUANTIZER_FILE
 from .student import save_quantizer_state
 
-REPORT_FILE = "quantize.json"
+REPORT_FILE = INIT_REPORT_FILE
 BLOCKS_DIR = "blocks"  # block-wise reconstruction's per-block states and progress.json
 
 
@@ -68,7 +68,7 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
         ValueError: an existing init in --out without --overwrite, a cache from another tokenizer, too few
             calibration sequences.
     """
-    out = Path(cfg.out)
+    out = require_folder(cfg.out, "the init")
     if (out / QUANTIZER_FILE).exists() and not cfg.overwrite:
         raise ValueError(f"--out {out}: holds an init already; pass --overwrite or choose another folder")
     calibrated = cfg.init != "none" or cfg.blockwise_steps > 0

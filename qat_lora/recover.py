@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import QuantizeConfig, RecoverConfig, TrainConfig
-from .files import atomic_write_json
+from .files import atomic_write_json, require_folder
 from .ptq import REPORT_FILE, init_is_current, quantize
 from .runs import QUANTIZER_FILE
 from .train import train
@@ -51,11 +51,12 @@ def _train_stage(cfg: RecoverConfig, name: str, quantizer: str, log: Callable[[s
                   seed=cfg.seed, device=cfg.device, resume="auto")
     train_cfg = TrainConfig(**{**common, **fields})
     log(f"stage {name}: {train_cfg.preset}, {train_cfg.max_steps} steps")
-    return train(train_cfg, log)
+    return train(train_cfg, log, rerun="rerun the same qat-lora recover command to continue")
 
 
 def recover(cfg: RecoverConfig, log: Callable[[str], None] = print) -> dict:
     """Run the stages cfg asks for; returns (and writes to out/recover.json) what to load afterwards."""
+    require_folder(cfg.out, "the recovery run")
     quantizer = _init_stage(cfg, log)
     stages = {"init": quantizer}
     if cfg.qat != "none":

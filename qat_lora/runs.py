@@ -30,6 +30,7 @@ CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
 COMPILE_REPORT_FILE = "compile_report.json"
 TENSORBOARD_DIR = "tensorboard"
+INIT_REPORT_FILE = "quantize.json"  # what `qat-lora quantize` writes next to its quantizer.safetensors
 CHECKPOINT_PREFIX = "checkpoint-"
 # Everything a run writes at the top of its folder (checkpoints are matched by CHECKPOINT_PREFIX).
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPTER_DIR, QUANTIZER_FILE, BEST_DIR,
@@ -44,6 +45,25 @@ def read_config(run_dir: str | Path) -> dict | None:
     """The run's config.json, or None when the folder holds no run."""
     path = Path(run_dir) / CONFIG_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def recorded_quant(artefact: str | Path) -> tuple[str, Path] | None:
+    """(--quant, the file recording it) of the run or init that wrote `artefact`: an adapter/ folder or a
+    quantizer.safetensors, at the top of a run, in a checkpoint-N/ or best/, or in a quantize output folder.
+    None when nothing records it (a file from elsewhere: the user's --quant stands)."""
+    here = Path(artefact).resolve().parent
+    for folder in (here, here.parent):
+        for name, field in ((CONFIG_FILE, ()), (INIT_REPORT_FILE, ("config",))):
+            try:
+                record = json.loads((folder / name).read_text())
+                for key in field:
+                    record = record[key]
+                quant = record.get("quant")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+            if isinstance(quant, str) and quant:
+                return quant, folder / name
+    return None
 
 
 def read_summary(run_dir: str | Path) -> dict | None:

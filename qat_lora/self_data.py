@@ -25,18 +25,19 @@ from typing import Callable, Iterator
 import torch
 
 from . import data, device as dev, models
-from .config import GenerateDataConfig
+from .config import GenerateDataConfig, field_defaults
 from .files import atomic_write_json
 
 REPORT_FILE = "generate.json"
 SHARD = "part-{index:05d}.jsonl"
 
 
-def corpus_prompts(files: list[Path], tokenizer, prefix_tokens: int, stride: int, limit: int) -> list[str]:
+def corpus_prompts(files: list[Path], tokenizer, prefix_tokens: int, stride: int, limit: int,
+                   decoding: data.TextDecoding = data.TextDecoding()) -> list[str]:
     """The first `prefix_tokens` tokens of every `stride`-token passage, as text, until `limit` prompts: the
     files are read interleaved by tokens, as build-cache reads them, so a small budget still samples each file."""
     prompts: list[str] = []
-    for _, ids in data.tokenized_documents(files, tokenizer):
+    for _, ids in data.tokenized_documents(files, tokenizer, decoding=decoding):
         for start in range(0, max(1, len(ids) - prefix_tokens), stride):
             piece = ids[start:start + prefix_tokens]
             if len(piece) == prefix_tokens:
@@ -46,7 +47,7 @@ def corpus_prompts(files: list[Path], tokenizer, prefix_tokens: int, stride: int
     return prompts
 
 
-def file_prompts(path: Path) -> list[str]:
+def file_prompts(path: Path, decoding: data.TextDecoding = data.TextDecoding()) -> list[str]:
     """Non-empty lines of a prompts file.
 
     Raises:
@@ -54,7 +55,7 @@ def file_prompts(path: Path) -> list[str]:
     """
     if not path.is_file():
         raise ValueError(f"--prompts {path}: no such file; pass a text file with one prompt per line")
-    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    prompts = [line.strip() for line in decoding.lines(path) if line.strip()]
     if not prompts:
         raise ValueError(f"--prompts {path}: no prompt in it; write one prompt per line")
     return prompts
@@ -63,8 +64,9 @@ def file_prompts(path: Path) -> list[str]:
 def _prompts(cfg: GenerateDataConfig, tokenizer, samples: int) -> tuple[list[str], bool]:
     """(prompts, chat): the prompts cycle when the budget needs more samples than there are prompts."""
     if cfg.prompts:
-        return file_prompts(Path(cfg.prompts)), not cfg.raw_prompts and tokenizer.chat_template is not None
-    prompts = corpus_prompts(data.list_text_files(cfg.data), tokenizer, cfg.prefix_tokens, cfg.stride, samples)
+        return file_prompts(Path(cfg.prompts), cfg.text_decoding()), not cfg.raw_prompts and tokenizer.chat_template is not None
+    prompts = corpus_prompts(data.list_text_files(cfg.data), tokenizer, cfg.prefix_tokens, cfg.stride, samples,
+                             cfg.text_decoding())
     if not prompts:
         raise ValueError(f"--data: no passage of {cfg.prefix_tokens} tokens; lower --prefix-tokens")
     return prompts, False
@@ -124,7 +126,8 @@ def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
     report = out / REPORT_FILE
     if report.exists():
         # The budget may grow: shard i does not depend on it, so a larger --tokens continues the corpus.
-        if {**json.loads(report.read_text())["config"], "tokens": cfg.tokens} != asdict(cfg):
+        saved = {**field_defaults(GenerateDataConfig), **json.loads(report.read_text())["config"]}  # older reports
+        if {**saved, "tokens": cfg.tokens} != asdict(cfg):
             raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder")
     elif out.exists() and any(p.name != REPORT_FILE and not p.name.startswith("part-") for p in out.iterdir()):
         raise ValueError(f"--out {out}: holds other files; pass an empty or new folder")

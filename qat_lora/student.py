@@ -16,10 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import device as dev, models
 from .config import TRAIN_PRESETS, StudentSpec
+from .files import first_line
 from .lora import add_recovery_lora_, load_recovery_lora
 from .quant import FakeQuantLinear, get_preset, quantize_, quantizer_parameters
 from .runs import ADAPTER_DIR, QUANTIZER_FILE
@@ -145,7 +147,12 @@ def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
     Raises:
         ValueError: a tensor is missing or has another shape (the file belongs to another model or preset).
     """
-    saved, params = load_file(str(path)), quantizer_state_dict(model)
+    try:
+        saved = load_file(str(path))
+    except SafetensorError as e:
+        raise ValueError(f"--quantizer {path}: damaged or truncated ({first_line(e)}); use the run's intact copy or "
+                         "rerun the stage that wrote it") from None
+    params = quantizer_state_dict(model)
     missing = sorted(set(params) - set(saved))
     if missing:
         raise ValueError(f"{path}: no value for {missing[0]} ({len(missing)} missing); build the student with the "
@@ -183,8 +190,11 @@ def has_codes(path: str | Path) -> bool:
 
     if not path:
         return False
-    with safe_open(str(path), "pt") as f:
-        return any(key.endswith("." + CODES_KEY) for key in f.keys())
+    try:
+        with safe_open(str(path), "pt") as f:
+            return any(key.endswith("." + CODES_KEY) for key in f.keys())
+    except SafetensorError as e:
+        raise ValueError(f"--quantizer {path}: damaged or truncated ({first_line(e)})") from None
 
 
 def save_artifacts(model, preset: str, folder: Path, codes: bool = False) -> dict[str, str | None]:

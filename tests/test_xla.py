@@ -122,4 +122,4 @@ def test_multi_chip_xla_processes_on_a_cpu_host_are_a_one_line_error(tmp_path):
                             timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "train_recovery_lora_multi: error: --device xla --num-chips 2 --parallel processes: XLA:CPU replicas")
+        "train_recovery_lora_multi.py: error: --device xla --num-chips 2 --parallel processes: XLA:CPU replicas")
