@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .gguf_kquant import kquant_blocks
 from .quant import FakeQuantLinear
 from .quant_init import snap_fp16
 
@@ -81,6 +82,8 @@ def pack_blocks(codes: np.ndarray, d: np.ndarray, qtype: str, m: np.ndarray | No
 def _layer_blocks(layer: FakeQuantLinear) -> tuple[str, np.ndarray]:
     """(type, blocks [out, bytes]) for one quantised linear: exact for llama.cpp grids, else re-quantised."""
     gguf = _gguf()
+    if layer.cfg.scheme == "kquant":  # Q2_K / Q3_K / Q4_K / Q6_K: always exact (gguf_kquant.py)
+        return kquant_blocks(layer)
     qtype = exact_type(layer)
     codes = layer.codes().numpy().astype(np.int16) + layer.cfg.qmin  # [out, in]: the integer q of the grid
     if qtype is not None:
