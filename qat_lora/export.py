@@ -279,7 +279,8 @@ def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
                             "layers": len(header["layers"])}
     report["bits_per_weight"] = bits_per_weight(student)
     if cfg.format == "gguf":
-        report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student")
+        teacher_gguf = cfg.model if Path(cfg.model).suffix == ".gguf" else None  # its metadata carry over
+        report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student", teacher_gguf)
     if cfg.format in ("dense", "both"):
         save_dense(student, out / DENSE_DIR, tokenizer)
     atomic_write_json(out / REPORT_FILE, report)
