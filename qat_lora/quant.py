@@ -29,6 +29,7 @@ from .quant_config import (CODEBOOKS, INITS, PRESETS, SCHEMES, ZERO_DOMAINS, Qua
 
 
 _round_ste, _fp16_ste = quant_init.round_ste, quant_init.fp16_ste  # shared with kquant.py
+QUANT_PARAMETERS = ("scale", "zero", "codebook", "scale_a", "scale_b", *kquant.PARAMETERS)  # every scheme's names
 
 
 def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
@@ -171,8 +172,20 @@ class FakeQuantLinear(nn.Linear):
     def quant_parameters(self) -> dict[str, nn.Parameter]:
         """The quantiser's own parameters by attribute name (scale, zero | codebook, scale_a, scale_b; kquant:
         kquant.PARAMETERS)."""
-        names = ("scale", "zero", "codebook", "scale_a", "scale_b", *kquant.PARAMETERS)
-        return {n: getattr(self, n) for n in names if isinstance(getattr(self, n, None), nn.Parameter)}
+        return {n: getattr(self, n) for n in QUANT_PARAMETERS if isinstance(getattr(self, n, None), nn.Parameter)}
+
+    @torch.no_grad()
+    def stored_quant_parameters(self) -> dict[str, torch.Tensor]:
+        """The quantiser parameters as the forward uses them, exact in fp16 (what an export stores): an integer
+        zero rounded, a K-quant's sub-block scales and mins rounded and clamped to their ranges. A QAT-trained
+        latent is fractional, and fp16(z) can round the other way than z within fp16 precision of k + 0.5."""
+        out = {k: p.detach() for k, p in self.quant_parameters().items()}
+        if self.cfg.scheme == "kquant":
+            stored = kquant.stored_parameters(self.cfg, **out)
+            out.update({"sub_scale": stored["sc"], **({"sub_min": stored["m"]} if "m" in stored else {})})
+        elif self.cfg.scheme == "int" and self.cfg.zero_domain == "int":
+            out["zero"] = torch.round(out["zero"])
+        return out
 
     @torch.no_grad()
     def init_quantizer_(self, importance: torch.Tensor | None = None) -> None:

@@ -252,3 +252,42 @@ def test_presets_command_lists_the_kquants_with_their_bits_per_weight(capsys):
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     for preset, bpw in (("q2_k", "2.625"), ("q3_k", "3.4375"), ("q4_k", "4.5"), ("q6_k", "6.5625")):
         assert f"llama.cpp {KQUANTS[preset]}" in lines[preset] and f"{bpw} bits/weight" in lines[preset]
+
+
+@pytest.mark.parametrize("preset", KQUANTS)
+def test_gptq_chooses_codes_on_the_fixed_kquant_grid_and_beats_its_rounding(preset):
+    from qat_lora.gptq import gptq_quantize
+
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(16, 256, generator=g) * 0.05
+    x = torch.randn(512, 256, generator=g) @ (torch.randn(256, 256, generator=g) / 256**0.5)
+    layer = FakeQuantLinear.from_linear(nn.Linear(256, 16, bias=False), get_preset(preset))
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    layer.init_quantizer_()
+    rounded = layer.quantized_weight().detach().clone()
+    grid = kquant.sub_block_grid(layer.cfg, **layer.quant_parameters())
+    result = gptq_quantize(w, 2.0 * x.T @ x / 512, layer.cfg, layer.group_size, kquant_grid=grid)
+    with torch.no_grad():
+        layer.weight.copy_(result["weight"])
+    assert torch.equal(layer.quantized_weight(), result["weight"])  # on the grid: training and export continue
+    assert (x @ (result["weight"] - w).T).norm() < 0.9 * (x @ (rounded - w).T).norm()
+
+
+def test_kquant_students_survive_the_packed_export(mixed_dir, tmp_path):
+    from qat_lora.export import load_packed, save_packed
+
+    student = _trained(mixed_dir, "q4_k")
+    save_packed(student, tmp_path, get_preset("q4_k"))
+    for name, layer in _layers(load_packed(tmp_path)).items():
+        assert layer.cfg == student.get_submodule(name).cfg, name  # the fallback grid per tensor included
+        assert torch.equal(layer.quantized_weight(), student.get_submodule(name).quantized_weight()), name
+
+
+def test_blockwise_reconstruction_refuses_kquants_in_one_line(wide_dir):
+    from qat_lora.blockwise import reconstruct_blocks_
+
+    student = quantize_(load_causal_lm(wide_dir), "q4_k")
+    with pytest.raises(ValueError, match="q2_k, q3_k, q4_k, q6_k.*--blockwise-steps 0"):
+        reconstruct_blocks_(student, load_causal_lm(wide_dir), [torch.zeros(1, 4, dtype=torch.long)], steps=1,
+                            lr_weights=1e-4, lr_quant=1e-4, batch_size=1, log=lambda _: None)
