@@ -291,3 +291,38 @@ def test_blockwise_reconstruction_refuses_kquants_in_one_line(wide_dir):
     with pytest.raises(ValueError, match="q2_k, q3_k, q4_k, q6_k.*--blockwise-steps 0"):
         reconstruct_blocks_(student, load_causal_lm(wide_dir), [torch.zeros(1, 4, dtype=torch.long)], steps=1,
                             lr_weights=1e-4, lr_quant=1e-4, batch_size=1, log=lambda _: None)
+
+
+def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, tokenizer, tmp_path):
+    # The path a user takes: teacher .gguf -> KD cache -> QAT of the q4_k quantiser -> `qat-lora export --format gguf`.
+    import json
+
+    from qat_lora.cache_build import build_cache
+    from qat_lora.config import CacheBuildConfig, TrainConfig
+    from qat_lora.train import train
+
+    teacher_tok = type(tokenizer).from_pretrained(str(wide_dir))
+    teacher_tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    save_gguf(quantize_(load_causal_lm(wide_dir), "q8_0"), tmp_path / "t", teacher_tok, name="Teacher-Q8")
+    teacher = tmp_path / "t" / GGUF_FILE
+    build_cache(CacheBuildConfig(teacher=str(teacher), data=[str(corpus_dir)], out=str(tmp_path / "cache"), seq_len=32,
+                                 top_k=8, value_bits=32, max_tokens=2_000, batch_size=8, device="cpu"),
+                log=lambda _: None)
+    train(TrainConfig(model=str(teacher), cache=str(tmp_path / "cache"), quant="q4_k", preset="qat",
+                      out=str(tmp_path / "run"), max_steps=3, batch_size=2, warmup_steps=1, lr=1e-2), log=lambda _: None)
+    quantizer = tmp_path / "run" / "quantizer.safetensors"
+    out = tmp_path / "export"
+    assert main(["export", "--model", str(teacher), "--quant", "q4_k", "--quantizer", str(quantizer), "--format",
+                 "gguf", "--out", str(out)]) == 0
+    report = json.loads((out / "export.json").read_text())["gguf"]
+    assert report["types"] == {"Q4_K": 14} and report["exact_layers"] == 14 and report["file_type"] == "MOSTLY_Q4_K_S"
+    fields = gguf.GGUFReader(str(out / "gguf" / GGUF_FILE)).fields
+    assert fields["general.name"].contents() == "Teacher-Q8" and "tokenizer.chat_template" in fields
+    from qat_lora.config import StudentSpec
+    from qat_lora.student import load_student
+
+    student = load_student(StudentSpec(str(teacher), "q4_k", str(quantizer)))
+    init = quantize_(load_causal_lm(teacher), "q4_k")
+    assert any(not torch.equal(m.quantized_weight(), init.get_submodule(n).quantized_weight())
+               for n, m in _layers(student).items())  # QAT moved the grid, and the file holds the moved one
+    _assert_file_holds_wq(out / "gguf" / GGUF_FILE, student)
