@@ -6,11 +6,14 @@ The container is written by the `gguf` package's GGUFWriter; only the blocks of 
 here (ggml-common.h): Q8_0 = fp16 d + 32 int8 q (w = d * q); Q4_0 = fp16 d + 16 bytes of nibbles
 (w = d * (c - 8)); Q4_1 = fp16 d + fp16 m + 16 bytes (w = d * c + m); nibble j holds code j (low) and code
 j + 16 (high). A quantised linear whose grid IS one of these types (the q8_0 / q4_0 / q4_1 presets) is written
-from its own codes and fp16 scales, so gguf's dequantiser returns the student's Wq bit for bit; any other
-grid is re-quantised (to Q4_1 keeping the codes for 4-bit int groups of 32, else to Q8_0 by gguf's quantiser)
-and the summary reports each layer's relative error. Every layer is checked by dequantising what was written.
-Metadata follow llama.cpp's convert_hf_to_gguf for Llama-family models: llama.* hyper-parameters, a gpt2-style
-BPE vocabulary with its pre-tokenizer name, q/k rows permuted the way llama.cpp's rotary embedding expects;
+from its own codes and fp16 scales, and a K-quant layer (q2_k / q3_k / q4_k / q6_k) from its codes, integer
+sub-block scales and mins and fp16 super-block scales (gguf_kquant.py), so gguf's dequantiser returns the
+student's Wq bit for bit; any other grid is re-quantised (to Q4_1 keeping the codes for 4-bit int groups of
+32, else to Q8_0 by gguf's quantiser) and the summary reports each layer's relative error. Every layer is
+checked by dequantising what was written. Metadata: copied from the teacher's GGUF when the model came from
+one (the quantisation keys are ours); otherwise as llama.cpp's convert_hf_to_gguf writes them for Llama-family
+models: llama.* hyper-parameters, a gpt2-style BPE vocabulary with its pre-tokenizer name, q/k rows permuted
+the way llama.cpp's rotary embedding expects;
 1-D tensors (norms, biases) F32, other full-precision matrices (embeddings, head) F16.
 """
 from __future__ import annotations
