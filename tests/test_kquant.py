@@ -326,3 +326,14 @@ def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, 
     assert any(not torch.equal(m.quantized_weight(), init.get_submodule(n).quantized_weight())
                for n, m in _layers(student).items())  # QAT moved the grid, and the file holds the moved one
     _assert_file_holds_wq(out / "gguf" / GGUF_FILE, student)
+
+
+def test_gptq_over_a_kquant_student_lowers_every_layers_error_and_exports_exactly(wide_dir, tokenizer, tmp_path):
+    from qat_lora.gptq import gptq_
+
+    student = quantize_(load_causal_lm(wide_dir), "q3_k")
+    batches = [torch.randint(0, len(tokenizer), (4, 64), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    report = gptq_(student, batches, log=lambda _: None)
+    assert all(v["gptq_err"] < v["init_err"] for v in report["layers"].values()), report["layers"]
+    assert save_gguf(student, tmp_path, tokenizer)["exact_layers"] == 14
+    _assert_file_holds_wq(tmp_path / GGUF_FILE, student)
