@@ -32,7 +32,8 @@ from .files import atomic_write_json
 from .gguf_export import GGUF_DIR, save_gguf
 from .metrics import kd_metrics
 from .student import load_student
-from .quant import QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict, quant_config_from_dict
+from .quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict,
+                    quant_config_from_dict)
 
 HEADER_KEY = "qat_lora"
 FORMAT_NAME = "qat-lora-packed"

@@ -98,7 +98,8 @@ def dequantize(q: torch.Tensor, cfg: QuantConfig, **params: torch.Tensor) -> tor
     return _dequantize(q.float().reshape(s.shape[0], s.shape[1], -1), s, m).reshape(q.shape)
 
 
-def _affine_search(w: torch.Tensor, ew: torch.Tensor, nmax: int, init: str, search: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _affine_search(w: torch.Tensor, ew: torch.Tensor, nmax: int, init: str,
+                   search: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sub-block (scale, min) with w ~ scale * l - min, l in [0, nmax], min >= 0. rtn: min/max. ggml: the
     search of llama.cpp's make_qkx2_quants: for nstep + 1 stretched grids, round, refit scale and offset by
     weighted least squares (offset clamped to <= 0), keep the lowest weighted error (absolute or squared).

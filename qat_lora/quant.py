@@ -200,7 +200,7 @@ class FakeQuantLinear(nn.Linear):
             values["scale"], values["zero"] = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, cfg.init,
                                                                         cfg.zero_domain, imp)
         else:
-            values["scale"] = quant_init.lut_scale(w, g)  # lut
+            values["scale"] = quant_init.lut_scale(w, g)
             per_group = cfg.codebook == "group"
             values["codebook"] = (
                 quant_init.kmeans_codebook(w, values["scale"], cfg.bits, g, per_group, imp) if cfg.init != "rtn"

@@ -83,7 +83,8 @@ class QuantConfig:
         if self.zero_domain != "int" and (self.scheme != "int" or self.symmetric != (self.zero_domain == "none")):
             raise ValueError(f"QuantConfig.zero_domain={self.zero_domain!r}: 'none' needs scheme='int' and symmetric=True, "
                              "'float' scheme='int' and symmetric=False")
-        if (self.init == "ggml" and self.zero_domain == "int" and self.scheme != "kquant") or (self.zero_domain == "float" and self.init in ("mse", "hqq")):
+        ggml_int = self.init == "ggml" and self.zero_domain == "int" and self.scheme != "kquant"
+        if ggml_int or (self.zero_domain == "float" and self.init in ("mse", "hqq")):
             raise ValueError(f"QuantConfig.init={self.init!r} with zero_domain={self.zero_domain!r}: ggml needs zero_domain "
                              "float or none; zero_domain float takes init rtn or ggml (both min/max)")
         if self.scheme == "kquant":
@@ -96,8 +97,8 @@ class QuantConfig:
 
     def _check_kquant(self) -> None:
         kt = KQUANT_TYPES[self.bits]
-        if (self.group_size, self.symmetric, self.zero_domain, self.scale_rank) != (kt.sub_block, not kt.min_max, "int", 0) \
-                or self.init not in ("rtn", "ggml"):
+        needed = (kt.sub_block, not kt.min_max, "int", 0)
+        if (self.group_size, self.symmetric, self.zero_domain, self.scale_rank) != needed or self.init not in ("rtn", "ggml"):
             raise ValueError(f"QuantConfig(scheme='kquant', bits={self.bits}) is llama.cpp's {kt.ggml_type}: it needs "
                              f"group_size={kt.sub_block}, symmetric={not kt.min_max}, zero_domain='int', scale_rank=0 "
                              "and init rtn or ggml; use the preset " + kt.ggml_type.lower())

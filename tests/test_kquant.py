@@ -309,7 +309,8 @@ def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, 
                                  top_k=8, value_bits=32, max_tokens=2_000, batch_size=8, device="cpu"),
                 log=lambda _: None)
     train(TrainConfig(model=str(teacher), cache=str(tmp_path / "cache"), quant="q4_k", preset="qat",
-                      out=str(tmp_path / "run"), max_steps=3, batch_size=2, warmup_steps=1, lr=1e-2), log=lambda _: None)
+                      out=str(tmp_path / "run"), max_steps=3, batch_size=2, warmup_steps=1, lr=1e-2),
+          log=lambda _: None)
     quantizer = tmp_path / "run" / "quantizer.safetensors"
     out = tmp_path / "export"
     assert main(["export", "--model", str(teacher), "--quant", "q4_k", "--quantizer", str(quantizer), "--format",
