@@ -131,7 +131,7 @@ def _check_out(cfg: CacheBuildConfig) -> Path:
     return out
 
 
-def _prepare_out(cfg: CacheBuildConfig) -> Path:
+def prepare_out(cfg: CacheBuildConfig) -> Path:
     """Create or reuse the checked cache folder; --overwrite removes only what a build wrote there."""
     out = _check_out(cfg)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,8 +186,10 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     _check_out(cfg)
     tokenizer, teacher = _load_teacher(cfg)
     packed = _tokenise(cfg, files, tokenizer)
-    out = _prepare_out(cfg)
-    device = dev.prepare_process(dev.resolve_device(cfg.device))
+    out = prepare_out(cfg)
+    # A builder among several on this host (launch.build_cache_on_chips, torchrun) drives its own GPU.
+    device = dev.prepare_process(dev.resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0")),
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     identity = models.model_fingerprint(teacher, cfg.teacher)  # of the weights as stored, whatever --dtype runs
     _teacher_to(teacher, device, _TEACHER_DTYPE[cfg.dtype])
     encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
@@ -215,6 +217,8 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
                "tokens": {s: int(packed[s][1].sum()) for s in data.SPLITS},
                "header": _header(cfg, files, identity, tokenizer, vocab, encoding),
                "seconds": round(elapsed, 2)}
+    if dev.is_xla(device):
+        partial["xla"] = dev.compile_metrics()  # this rank's graphs: one per batch shape, whatever the rank
     path = out / f"manifest-r{cfg.rank:03d}.json"
     atomic_write_json(path, partial)
     log(f"rank {cfg.rank}: shards written in {elapsed:.1f} s")
@@ -251,6 +255,14 @@ def _header(cfg: CacheBuildConfig, files: list[Path], identity: dict, tokenizer,
             "corpus_sha256": data.corpus_fingerprint(files),
             "builder": {"version": __version__, "args": {k: v for k, v in asdict(cfg).items()
                                                          if k not in ("rank", "resume", "overwrite")}}}
+
+
+def unfinished_ranks(out: Path) -> list[int]:
+    """Ranks of the build in `out` without a partial manifest yet (all of them when none exists)."""
+    partials = [json.loads(p.read_text()) for p in sorted(out.glob("manifest-r*.json"))]
+    if not partials:
+        return [0]
+    return sorted(set(range(partials[0]["world_size"])) - {p["rank"] for p in partials})
 
 
 def merge_manifests(path: str | Path, log: Callable[[str], None] = print) -> Path:

@@ -52,13 +52,16 @@ def _fetch_assets(args: argparse.Namespace) -> None:
 
 
 def _build_cache(args: argparse.Namespace) -> None:
-    from .cache_build import build_cache
     from .config import CacheBuildConfig
+    from .launch import build_cache_on_chips, chip_rank
 
-    if args.world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Started by torchrun (or any launcher that sets RANK / WORLD_SIZE): one builder per process.
-        args.rank, args.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    build_cache(config_from_args(CacheBuildConfig, args))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Started by torchrun or --num-chips (any launcher that sets RANK / WORLD_SIZE): one builder per process,
+        # within this host's share of --rank / --world-size.
+        args.rank, args.world_size = chip_rank(args.rank, args.world_size, int(os.environ["RANK"]),
+                                               int(os.environ["WORLD_SIZE"]))
+        args.num_chips = 1
+    build_cache_on_chips(config_from_args(CacheBuildConfig, args))
 
 
 def _train(args: argparse.Namespace) -> int:

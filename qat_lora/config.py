@@ -27,7 +27,8 @@ TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
     "qat+lora": ("lora", "quantizer"),
     "weight-qat": ("weights", "quantizer"),
 }
-PARALLEL_MODES = ("auto", "processes", "spmd")
+PARALLEL_MODES = ("auto", "processes", "spmd", "fsdp")
+STORAGE_DTYPES = ("fp32", "bf16")
 
 
 def _require_positive(cfg, *names: str) -> None:
@@ -103,10 +104,16 @@ class TrainConfig(StudentSpec):
                                                                "OUT/tensorboard (pip install tensorboard)"})
     seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
-    num_chips: int = field(default=1, metadata={"help": "devices to train on: TPU chips, GPUs or CPU processes "
-                                                        "(global batch = chips x --batch-size x accumulation)"})
-    parallel: str = field(default="auto", metadata={"help": "with --num-chips > 1: processes (one per chip), spmd "
-                                                            "(one XLA process over a data mesh) or auto"})
+    num_chips: int = field(default=0, metadata={"help": "devices to train on: TPU chips, GPUs or CPU processes; 0 = "
+                                                        "every TPU chip of the host, one device elsewhere (global "
+                                                        "batch = chips x --batch-size x accumulation)"})
+    parallel: str = field(default="auto", metadata={"help": "with several chips: processes (one per chip), spmd (one "
+                                                            "XLA process, batch sharded), fsdp (spmd with the "
+                                                            "parameters sharded too: models larger than one chip) "
+                                                            "or auto"})
+    storage_dtype: str = field(default="fp32", metadata={"help": "frozen student weights: fp32, or bf16 (recovery-lora: "
+                                                                 "Wq stored once in bf16, no fp32 latent weight; "
+                                                                 "half the memory)"})
     precision: str = field(default="auto", metadata={"help": "auto (bf16 autocast on CUDA and TPU, fp32 on the CPU), "
                                                              "fp32 or bf16"})
     loss_chunk_size: int = field(default=128, metadata={"help": "positions per lm_head+loss chunk, each chunk's "
@@ -121,7 +128,8 @@ class TrainConfig(StudentSpec):
     def __post_init__(self) -> None:
         if self.loss_chunk_size < 0:
             raise ValueError(f"--loss-chunk-size {self.loss_chunk_size}: must be >= 0 (0 = full logits)")
-        _require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps", "num_chips")
+        _require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps")
+        _require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
         _require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", note=" (0 = off)")
         _require_positive(self, "lr", "weight_lr_ratio")
         if not 0.0 < self.min_lr_ratio <= 1.0:
@@ -131,6 +139,11 @@ class TrainConfig(StudentSpec):
             raise ValueError(f"--preset {self.preset!r}: choose one of {', '.join(TRAIN_PRESETS)}")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"--parallel {self.parallel!r}: choose one of {', '.join(PARALLEL_MODES)}")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"--storage-dtype {self.storage_dtype!r}: choose {' or '.join(STORAGE_DTYPES)}")
+        if self.storage_dtype != "fp32" and TRAIN_PRESETS.get(self.preset) != ("lora",):
+            raise ValueError(f"--storage-dtype {self.storage_dtype} --preset {self.preset}: the latent weights and "
+                             "quantiser train, so they stay fp32; use --preset recovery-lora or --storage-dtype fp32")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         if not self.quant:
@@ -359,7 +372,7 @@ class GenerateDataConfig:
 TEACHER_DTYPES = ("fp32", "bf16")
 # Build flags added after caches existed, at the value that reproduces those caches: left out of the
 # fingerprint at that value, so an interrupted build from before them still resumes.
-_LATER_BUILD_FIELDS = {"dtype": "fp32", "matmul_precision": "default"}
+_LATER_BUILD_FIELDS = {"dtype": "fp32", "matmul_precision": "default", "num_chips": 1}
 
 
 @dataclass
@@ -387,11 +400,15 @@ class CacheBuildConfig:
     seed: int = field(default=0, metadata={"help": "sampled: seed of the draws"})
     rank: int = field(default=0, metadata={"help": "this builder's rank (builds sequences = rank mod world size)"})
     world_size: int = field(default=1, metadata={"help": "number of builders (torchrun: from RANK, WORLD_SIZE)"})
+    num_chips: int = field(default=0, metadata={"help": "builders on this host, one per chip (TPU: torch_xla.launch; "
+                                                        "else one process each), ranks --rank x N + i of "
+                                                        "--world-size x N; 0 = every TPU chip, one device elsewhere"})
     resume: bool = field(default=False, metadata={"help": "continue an interrupted build in --out"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing cache in --out"})
 
     def __post_init__(self) -> None:
         _require_positive(self, "seq_len", "batch_size", "shard_sequences", "world_size")
+        _require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens {self.max_tokens}: must be >= 0 (0 = the whole corpus)")
         if not 0 <= self.rank < self.world_size:

@@ -46,6 +46,10 @@ class Backend:
         """Lay a device batch out over this process's devices (SPMD); unchanged elsewhere."""
         return batch
 
+    def shard_model_(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Lay the placed model's parameters out over this process's devices (FSDP); unchanged elsewhere."""
+        return model
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape and dtype on all ranks), on the CPU, in rank order."""
         return [tensor.cpu()]

@@ -1,7 +1,10 @@
-"""Starting the ranks of a training run: one process, N local processes, torch_xla replicas or one SPMD process.
+"""Starting the ranks of a run: one process, N local processes, torch_xla replicas or one SPMD process.
 
-`run(cfg)` is what `qat-lora train` calls. With `--num-chips 1` (or inside a rank a launcher already started:
-WORLD_SIZE is set) it trains in this process; otherwise (DESIGN §6):
+`run(cfg)` is what `qat-lora train` calls; `build_cache_on_chips(cfg)` what `qat-lora build-cache` calls.
+`--num-chips 0` (the default) means every TPU chip of the host, one device elsewhere; on a TPU host with more
+chips than asked for, the PJRT visibility variables limit the run to the first N (`tpu_visibility_env`).
+With one chip (or inside a rank a launcher already started: WORLD_SIZE is set) it trains in this process;
+otherwise (DESIGN §6):
 - CUDA / CPU: `launch_local` starts N processes with torchrun's environment (NCCL / gloo) and waits for them;
   a rank that fails stops the others.
 - TPU: `torch_xla.launch` replicas (xm.reduce_gradients + a plain optimizer.step), or one SPMD process over
@@ -21,10 +24,12 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 from . import device as dev
-from .config import TrainConfig, to_argv
+from .config import CacheBuildConfig, TrainConfig, to_argv
 
 
 def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:
@@ -35,23 +40,30 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:
     """
     from .train import train
 
-    if cfg.num_chips == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         train(cfg, log)
         return 0
+    cfg = replace(cfg, num_chips=chips_to_use(cfg.num_chips, cfg.device))
     xla = dev.wants_xla(cfg.device)
     parallel = cfg.parallel
-    if parallel == "spmd" and not xla:
-        raise ValueError(f"--parallel spmd with --device {cfg.device}: SPMD needs --device xla or tpu; use "
+    if xla and dev.tpu_present():  # before any runtime starts: the chips this run may see
+        select_tpu_chips(cfg.num_chips, per_process=cfg.num_chips > 1 and parallel in ("auto", "processes"), log=log)
+    if cfg.num_chips == 1 and parallel != "fsdp":
+        train(cfg, log)
+        return 0
+    one_process = ("spmd", "fsdp")
+    if parallel in one_process and not xla:
+        raise ValueError(f"--parallel {parallel} with --device {cfg.device}: SPMD needs --device xla or tpu; use "
                          "--parallel processes")
-    if xla and not dev.tpu_present() and parallel != "spmd":
+    if xla and not dev.tpu_present() and parallel not in one_process:
         if parallel == "processes":
             raise ValueError(f"--device {cfg.device} --num-chips {cfg.num_chips} --parallel processes: XLA:CPU "
                              "replicas cannot run collectives (DESIGN §6); use --parallel spmd, a TPU, or --device cpu")
         log(f"XLA on a CPU host: its replicas cannot run collectives (DESIGN §6); training one SPMD process "
             f"over {cfg.num_chips} devices instead")
         parallel = "spmd"
-    if parallel == "spmd":
-        return _train_spmd(cfg)
+    if parallel in one_process:
+        return _train_spmd(cfg, fsdp=parallel == "fsdp")
     if xla:
         import torch_xla
 
@@ -76,19 +88,139 @@ def _xla_rank(index: int, cfg: TrainConfig) -> None:
     train(cfg, backend=backend)
 
 
-def _train_spmd(cfg: TrainConfig) -> int:
-    """One SPMD process over `cfg.num_chips` XLA devices (on the host CPU: CPU_NUM_DEVICES of them)."""
+def _train_spmd(cfg: TrainConfig, fsdp: bool = False) -> int:
+    """One SPMD process over `cfg.num_chips` XLA devices (on the host CPU: CPU_NUM_DEVICES of them); with
+    `fsdp` the parameters are sharded over them too (sharding.FsdpBackend)."""
     from .distributed import SpmdBackend
+    from .sharding import FsdpBackend
     from .train import train
 
-    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    os.environ.setdefault("PJRT_DEVICE", "TPU" if dev.tpu_present() else "CPU")
     if os.environ["PJRT_DEVICE"].upper() == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cfg.num_chips)
-    backend = SpmdBackend()
+    backend = FsdpBackend() if fsdp else SpmdBackend()
     if backend.data_parallel != cfg.num_chips:
         raise ValueError(f"--num-chips {cfg.num_chips}: this host has {backend.data_parallel} XLA devices")
     train(cfg, backend=backend)
     return 0
+
+
+def chip_rank(host_rank: int, host_world: int, index: int, chips: int) -> tuple[int, int]:
+    """(rank, world size) of the builder on chip `index` of host `host_rank` of `host_world`, `chips` per host:
+    the hosts split the sequences (--rank / --world-size) and each host's chips split its share."""
+    return host_rank * chips + index, host_world * chips
+
+
+def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Path:
+    """`qat-lora build-cache`: one builder per chip of this host, then (once every rank is done) the merge.
+
+    The builders share nothing and run no collective (XLA:CPU replicas could not: DESIGN §6): each writes its
+    rank's shards and partial manifest; this process merges them after all have ended. On a TPU host they are
+    torch_xla.launch replicas (rank = global ordinal); elsewhere one process each (gloo-free: RANK/WORLD_SIZE
+    only), which is also how XLA:CPU runs them. Returns the manifest (or, on one host of several, its folder).
+
+    Raises:
+        ValueError: a builder failed (its own error was printed above), or a bad --num-chips.
+    """
+    from .cache_build import build_cache, merge_manifests, prepare_out, unfinished_ranks
+
+    chips = chips_to_use(cfg.num_chips, cfg.device)
+    if chips == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return build_cache(replace(cfg, num_chips=1), log)
+    if cfg.overwrite:  # once, here: a builder clearing the folder would delete the shards of those started before it
+        prepare_out(cfg)
+    one = replace(cfg, num_chips=1, overwrite=False)
+    if dev.wants_xla(cfg.device) and dev.tpu_present():
+        import torch_xla
+
+        select_tpu_chips(chips, per_process=True, log=log)
+        log(f"building on {chips} TPU chips (torch_xla replicas)")
+        torch_xla.launch(_build_rank, args=(one, chips))
+    else:
+        if dev.wants_xla(cfg.device):
+            # XLA:CPU: torch_xla.launch would run the builders as threads of this process, which race on
+            # transformers' lazy imports (measured: ImportError) and share one set of counters; processes do not.
+            os.environ.update(PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), CPU_NUM_DEVICES="1")
+        log(f"building on {chips} local processes")
+        cmd = [sys.executable, "-m", "qat_lora.cli", "build-cache", *to_argv(one)]
+        code = exit_code(launch_local(cmd, chips, log=log))
+        if code:
+            raise ValueError(f"--num-chips {chips}: a builder exited with {code} (its error is above); rerun with "
+                             "--resume to continue after the shards already written")
+    missing = unfinished_ranks(Path(cfg.out))
+    if missing:
+        log(f"ranks {missing[0]}..{missing[-1]} of this build are not done (other hosts): once they are, run "
+            f"`qat-lora cache merge {cfg.out}`")
+        return Path(cfg.out)
+    return merge_manifests(cfg.out, log)
+
+
+def _build_rank(index: int, cfg: CacheBuildConfig, chips: int) -> None:
+    """One torch_xla replica of a cache build: its rank's shards and partial manifest, no collective."""
+    import torch_xla.runtime as xr
+
+    from .cache_build import build_cache
+
+    if xr.world_size() > chips:  # a multi-host slice: the runtime's ordinals already span the hosts
+        rank, world = xr.global_ordinal(), xr.world_size()
+    else:
+        rank, world = chip_rank(cfg.rank, cfg.world_size, index, chips)
+    build_cache(replace(cfg, rank=rank, world_size=world), log=print if rank == 0 else (lambda _: None))
+
+
+# The chip mesh of a TPU host slice of N chips (x, y, z): what libtpu's *_BOUNDS variables describe.
+_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+_TPU_VISIBILITY_KEYS = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
+
+
+def tpu_visibility_env(num_chips: int, host_chips: int, per_process: bool) -> dict[str, str]:
+    """The PJRT/libtpu variables that make a run use the first `num_chips` of a host's `host_chips` chips.
+
+    Args:
+        per_process: one process per chip (torch_xla.launch replicas: each replica then picks its own chip
+            through torch_xla's topology set-up); else one process over all `num_chips` (SPMD, or one chip).
+    Returns:
+        {} when the run uses every chip (the runtime's own topology), else the variables to set.
+    Raises:
+        ValueError: more chips than the host has, or a count no TPU host slice has.
+    """
+    if num_chips > host_chips:
+        raise ValueError(f"--num-chips {num_chips}: this host has {host_chips} TPU chip(s); pass --num-chips "
+                         f"{host_chips} or fewer")
+    if num_chips == host_chips:
+        return {}
+    if num_chips not in _CHIP_BOUNDS:
+        raise ValueError(f"--num-chips {num_chips}: a TPU host runs on 1, 2, 4 or 8 of its chips; pass one of those")
+    if per_process:  # N processes of one chip each: torch_xla.launch starts min(chips, N) replicas
+        return {"TPU_PROCESS_BOUNDS": _CHIP_BOUNDS[num_chips], "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1"}
+    return {"TPU_VISIBLE_CHIPS": ",".join(map(str, range(num_chips))),
+            "TPU_CHIPS_PER_PROCESS_BOUNDS": _CHIP_BOUNDS[num_chips], "TPU_PROCESS_BOUNDS": "1,1,1"}
+
+
+def tpu_chip_count() -> int:
+    """TPU chips attached to this host (a PCI scan: no runtime starts, no chip is claimed)."""
+    from torch_xla._internal import tpu
+
+    return tpu.num_available_chips()
+
+
+def chips_to_use(requested: int, device: str) -> int:
+    """--num-chips as a count: 0 means every TPU chip of this host, and one device anywhere else."""
+    if requested:
+        return requested
+    return max(1, tpu_chip_count()) if dev.wants_xla(device) and dev.tpu_present() else 1
+
+
+def select_tpu_chips(num_chips: int, per_process: bool, log: Callable[[str], None] = print) -> None:
+    """Limit this process (and the replicas it starts) to `num_chips` TPU chips; a user's own
+    TPU_VISIBLE_CHIPS / *_BOUNDS settings win."""
+    env = tpu_visibility_env(num_chips, tpu_chip_count(), per_process)
+    if env and any(k in os.environ for k in _TPU_VISIBILITY_KEYS):
+        log(f"TPU chips: keeping this environment's {', '.join(k for k in _TPU_VISIBILITY_KEYS if k in os.environ)}")
+        return
+    if env:
+        log("TPU chips: " + " ".join(f"{k}={v}" for k, v in env.items()))
+        os.environ.update(env)
 
 
 def free_port() -> int:

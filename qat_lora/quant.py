@@ -148,6 +148,7 @@ class FakeQuantLinear(nn.Linear):
         self._cache_key: tuple | None = None
         self._step_wq: torch.Tensor | None = None  # set inside quantized_weights_once_per_step
         self._step_leaf: torch.Tensor | None = None
+        self._stores_wq = False  # `weight` holds Wq itself (store_quantized_weight_), not the latent weight
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, cfg: QuantConfig, name: str = "",
@@ -231,6 +232,8 @@ class FakeQuantLinear(nn.Linear):
 
     def quantized_weight(self) -> torch.Tensor:
         """The [out, in] fake-quantised weight used by forward."""
+        if self._stores_wq:
+            return self.weight
         if self._step_leaf is not None:
             return self._step_leaf
         if self.trains():
@@ -265,6 +268,22 @@ class FakeQuantLinear(nn.Linear):
         `codes()`): set as the latent weight, it makes `quantized_weight()` equal it exactly."""
         parts = {k: p.detach() for k, p in self.quant_parameters().items()}
         return dequantize(codes, self.cfg, self.group_size, **parts).to(self.weight.dtype)
+
+    @torch.no_grad()
+    def store_quantized_weight_(self, dtype: torch.dtype) -> None:
+        """Replace the latent weight by Wq in `dtype` (the compute dtype, e.g. bf16), computed once in fp32:
+        one weight tensor at half the bytes instead of an fp32 latent weight plus a cached Wq. Only for a frozen
+        quantiser (recovery LoRA): nothing reads the latent weight again, and nothing could train it.
+
+        Raises:
+            ValueError: the latent weight or a quantiser parameter trains.
+        """
+        if self.trains():
+            raise ValueError("store_quantized_weight_: this layer's weight or quantiser trains; only a frozen "
+                             "quantiser can drop its latent weight")
+        wq = self._fake_quantize().to(dtype)
+        self.weight = nn.Parameter(wq, requires_grad=False)
+        self._stores_wq, self._cached_wq = True, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.quantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

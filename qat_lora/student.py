@@ -81,6 +81,31 @@ def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lor
     return model
 
 
+STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.STORAGE_DTYPES
+
+
+@torch.no_grad()
+def set_storage_dtype_(model: torch.nn.Module, storage: str) -> torch.nn.Module:
+    """--storage-dtype: store the frozen student in `storage` (call after make_trainable_, before placing it).
+
+    With bf16, every frozen fake-quantised linear keeps only its Wq, in bf16 (no fp32 latent weight), and the
+    other frozen floating parameters (embeddings, norms, lm_head) become bf16. Trainable parameters (LoRA, made
+    fp32 by PEFT), the quantisers' own parameters (small; they define the grid) and buffers (rotary frequencies:
+    bf16 would shift every position's angle) stay fp32. fp32 changes nothing.
+    """
+    dtype = STORAGE_DTYPES[storage]
+    if dtype == torch.float32:
+        return model
+    quantizer = {id(p) for p in quantizer_parameters(model)}
+    for module in model.modules():
+        if isinstance(module, FakeQuantLinear):
+            module.store_quantized_weight_(dtype)
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and id(p) not in quantizer:
+            p.data = p.data.to(dtype)
+    return model
+
+
 def latent_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The latent full-precision weight of every fake-quantised linear."""
     return [m.weight for m in model.modules() if isinstance(m, FakeQuantLinear)]

@@ -39,7 +39,7 @@ from .loss import KDLossConfig, forward_loss
 from .metrics import kd_metrics
 from .quant import get_preset, quant_config_dict, quantized_weights_once_per_step
 from .student import (build_student, enable_activation_checkpointing_, has_codes, latent_weights, make_trainable_,
-                      resolve_attn, save_artifacts, trainable_parameters)
+                      resolve_attn, save_artifacts, set_storage_dtype_, trainable_parameters)
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -125,7 +125,8 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
                              resuming=resume_from is not None)
     backend.rendezvous("out-ready")
     dev.seed_everything(cfg.seed)  # same seed on every rank: identical initial adapters everywhere
-    model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha).to(device)
+    model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha)
+    model = backend.shard_model_(set_storage_dtype_(model, cfg.storage_dtype).to(device))
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing_(model, device)
     model.train()

@@ -1,0 +1,145 @@
+"""Issue 14 on XLA:CPU: a multi-chip cache build (one builder per device, merged by the launcher) and FSDP
+parameter sharding over 4 devices (SPMD), each run in its own subprocess (DESIGN §6: the device count, SPMD mode
+and compile counters are fixed per process).
+
+torch_xla.launch does run a collective-free function on XLA:CPU (CPU_NUM_DEVICES=2: two replicas, ordinals 0
+and 1), but as threads of one process: two builders loading the teacher at once race on transformers' lazy
+imports (measured: ImportError) and share one set of counters. So on a CPU host `--num-chips N` starts N builder
+processes instead: the same per-rank build and the same merge by the launcher as the TPU replicas.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qat_lora.cache import KDCache
+from qat_lora.cache_build import build_cache
+from qat_lora.config import CacheBuildConfig
+
+if importlib.util.find_spec("torch_xla") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("torch_xla is not installed; CI must install the [xla] extra")
+    pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, devices: int = 1, timeout: int = 500) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "qat_lora.cli", *args], env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _all_rows(cache: KDCache) -> dict[str, torch.Tensor]:
+    rows = [cache.sequence(i, split) for split in ("train", "heldout") for i in range(cache.num_sequences(split))]
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def test_a_two_chip_xla_build_equals_the_one_process_build(tmp_path, teacher_dir, corpus_dir):
+    flags = ("--teacher", str(teacher_dir), "--data", str(corpus_dir), "--seq-len", "32", "--top-k", "8",
+             "--value-bits", "32", "--max-tokens", "1500", "--batch-size", "8", "--shard-sequences", "16")
+    out = tmp_path / "two"
+    result = _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2")
+    assert "building on 2 local processes" in result.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert {sh["rank"] for split in manifest["splits"].values() for sh in split["shards"]} == {0, 1}
+    for rank in (0, 1):  # each builder ran its own XLA:CPU runtime: one graph, compiled once, no CPU fallback
+        xla = json.loads((out / f"manifest-r{rank:03d}.json").read_text())["xla"]
+        assert xla["graphs_compiled"] == 1 and xla["cpu_fallback_ops"] == [], xla
+    one = tmp_path / "one"
+    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(one), seq_len=32,
+                                 top_k=8, value_bits=32, max_tokens=1500, batch_size=8, device="cpu"),
+                log=lambda _: None)
+    a, b = _all_rows(KDCache(out)), _all_rows(KDCache(one))
+    assert torch.equal(a["input_ids"], b["input_ids"])  # every sequence once, in the same order
+    torch.testing.assert_close(a["topk_logprobs"], b["topk_logprobs"], rtol=0, atol=1e-4)
+    assert (a["topk_ids"] == b["topk_ids"]).float().mean() > 0.999  # only near-ties may swap
+    # --overwrite rebuilds it: the folder is cleared once, by the launcher, before any builder starts.
+    _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2", "--overwrite")
+    assert json.loads((out / "manifest.json").read_text())["splits"] == manifest["splits"]
+
+
+SHARD = """
+import json, sys
+import torch, torch_xla
+from qat_lora.config import StudentSpec
+from qat_lora.distributed import SpmdBackend
+from qat_lora.sharding import FsdpBackend, device_bytes, shard_shape
+from qat_lora.student import build_student, make_trainable_, set_storage_dtype_
+
+fsdp = FsdpBackend()  # turns SPMD on, over the CPU_NUM_DEVICES devices
+device = torch_xla.device()
+report = {"devices": fsdp.data_parallel}
+for storage in ("fp32", "bf16"):
+    for name, backend in (("replicated", SpmdBackend()), ("fsdp", fsdp)):
+        student = make_trainable_(build_student(StudentSpec(sys.argv[1], "w2g32"), "eager"), "recovery-lora")
+        model = backend.shard_model_(set_storage_dtype_(student, storage).to(device))
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        report[f"{name}-{storage}"] = device_bytes(frozen)
+        report[f"total-{storage}"] = sum(p.numel() * p.element_size() for p in frozen)
+        report[f"trainable-{storage}"] = device_bytes([p for p in model.parameters() if p.requires_grad])
+from qat_lora.quant import quantizer_parameters
+quantizer = {id(p) for p in quantizer_parameters(model)}
+report["frozen_numel"] = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in quantizer)
+# The spec arithmetic against the shards the runtime really holds (a transfer; test only).
+shapes = [(list(shard_shape(p)), [list(s.shape) for s, _ in torch_xla._XLAC._get_local_shards([p])[0]])
+          for p in [p for p in model.parameters() if not p.requires_grad][:8]]
+report["shapes"] = shapes
+print(json.dumps(report))
+"""
+
+
+def test_fsdp_keeps_a_quarter_of_the_parameter_bytes_per_device(teacher_dir):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", SHARD, str(teacher_dir)], env=env, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 4
+    for spec, shards in report["shapes"]:
+        assert all(shape == spec for shape in shards), (spec, shards)  # every device holds a shard of that shape
+    for storage in ("fp32", "bf16"):
+        assert report[f"replicated-{storage}"] == report[f"total-{storage}"]
+        # Every frozen tensor of the tiny model divides by 4 along some dimension: exactly a quarter.
+        assert report[f"fsdp-{storage}"] * 4 == report[f"total-{storage}"], report
+    # LoRA stays replicated in fp32 (small); bf16 storage saves 2 bytes on every frozen weight but the
+    # quantiser's (fp32: it defines the grid).
+    assert report["trainable-fp32"] == report["trainable-bf16"] > 0
+    assert report["total-fp32"] - report["total-bf16"] == 2 * report["frozen_numel"] > 0
+
+
+def _train(out: Path, teacher_dir, cache, devices: int, *extra: str) -> tuple[list[dict], subprocess.CompletedProcess]:
+    result = _cli("train", "--model", str(teacher_dir), "--cache", str(cache), "--quant", "w2g32", "--out", str(out),
+                  "--max-steps", "6", "--log-steps", "1", "--lr", "1e-3", "--warmup-steps", "2", "--device", "xla",
+                  "--attn-implementation", "eager", *extra, devices=devices)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], result
+
+
+def test_fsdp_over_four_devices_makes_the_single_device_update(tmp_path, teacher_dir, corpus_dir):
+    from safetensors.torch import load_file
+
+    cache = tmp_path / "cache"
+    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cache), seq_len=32,
+                                 top_k=8, max_tokens=4_000, batch_size=8, device="cpu"), log=lambda _: None)
+    one, _ = _train(tmp_path / "one", teacher_dir, cache, 1, "--batch-size", "4")
+    fsdp, result = _train(tmp_path / "fsdp", teacher_dir, cache, 4, "--batch-size", "1", "--num-chips", "4",
+                          "--parallel", "fsdp")
+    assert "XLA SPMD (fsdp), batch and parameters sharded over 4 devices; parameters" in result.stdout
+    report = json.loads((tmp_path / "fsdp" / "compile_report.json").read_text())
+    assert 1 <= report["graphs_compiled"] <= 3 and report["graphs_compiled_after_step_2"] == 0, report
+    # The same 4 sequences per step: the same losses and the same adapters, up to float summation order.
+    for a, b in zip(one, fsdp, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    a, b = (load_file(str(tmp_path / run / "adapter" / "adapter_model.safetensors")) for run in ("one", "fsdp"))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
