@@ -156,3 +156,68 @@ def test_stored_notebook_is_clean(path):
 
 def test_there_are_three_notebooks():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_tpu_single_chip.ipynb", "03_multi_chip.ipynb"]
+
+
+def _install_cell(path: Path) -> str:
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if "IN_COLAB =" in c.source]
+    assert len(cells) == 1, f"{path.name}: one install cell"
+    return cells[0]
+
+
+_REAL_FIND_SPEC = importlib.util.find_spec
+
+
+def _run_install_cell(monkeypatch, env: dict, installed_xla: str | None, colab: bool = False,
+                      qat_lora_installed: bool = True) -> list[list[str]]:
+    """Execute the install cell with pip intercepted; returns the pip requirement lists it would install."""
+    import importlib.metadata
+    import importlib.util
+    import subprocess
+    import sys
+    import types
+
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd[cmd.index("-q") + 1:]))
+    for key in ("COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if colab:
+        monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    else:
+        monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+
+    def find_spec(name, *args):
+        if name == "torch_xla":
+            return object() if installed_xla else None
+        if name == "qat_lora" and not qat_lora_installed:
+            return None
+        return _REAL_FIND_SPEC(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed_xla)
+    exec(_install_cell(NOTEBOOKS[0]), {"QAT_LORA_REQUIREMENT": "qat-lora[gguf,plot]", "print": lambda *a: None})
+    return calls
+
+
+def test_install_cell_pins_torch_xla_to_the_runtimes_torch(monkeypatch):
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    # A laptop / CI: nothing installed.
+    assert _run_install_cell(monkeypatch, {}, installed_xla=None) == []
+    # Colab on a TPU without qat-lora or torch-xla: qat-lora (no torch pin of its own), then torch-xla[tpu] at the
+    # runtime's torch version with torch pinned to itself, so pip keeps the runtime's torch.
+    calls = _run_install_cell(monkeypatch, {"COLAB_TPU_ADDR": "10.0.0.2:8470"}, installed_xla=None, colab=True,
+                              qat_lora_installed=False)
+    assert calls == [["qat-lora[gguf,plot]"], [f"torch=={version}", f"torch-xla[tpu]=={version}"]]
+    # A TPU VM whose torch-xla matches torch: nothing to do; one of another minor version: replaced.
+    assert _run_install_cell(monkeypatch, {"TPU_ACCELERATOR_TYPE": "v6e-8"}, installed_xla=version) == []
+    major, minor = version.split(".")[:2]
+    other = f"{major}.{int(minor) - 1}.0"
+    assert _run_install_cell(monkeypatch, {"TPU_ACCELERATOR_TYPE": "v6e-1"}, installed_xla=other) == [
+        [f"torch=={version}", f"torch-xla[tpu]=={version}"]]
+
+
+def test_notebooks_share_one_install_cell():
+    assert len({_install_cell(p) for p in NOTEBOOKS}) == 1
