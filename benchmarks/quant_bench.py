@@ -145,8 +145,9 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["w3g64", "w2g64", "w2g32", "lut2g32"])
     parser.add_argument("--teacher-row", action="store_true", help="also evaluate the full-precision teacher")
     parser.add_argument("--fp32-scales", action="store_true", help="also evaluate the default init with fp32 scales")
-    parser.add_argument("--inits", nargs="+", choices=("rtn", "mse", "mse+act"), default=["rtn", "mse"],
-                        help="PTQ inits to evaluate; mse+act = MSE clipping weighted by activations of --calib-text")
+    parser.add_argument("--inits", nargs="+", choices=("rtn", "mse", "mse+act", "ggml"), default=["rtn", "mse"],
+                        help="PTQ inits to evaluate; mse+act = MSE clipping weighted by activations of --calib-text; "
+                             "ggml = llama.cpp's reference quantiser (q*_0 / q4_1 / K-quant presets)")
     parser.add_argument("--calib-text", default=str(ASSETS.train_text_dir), help="training text for calibration")
     parser.add_argument("--calib-batches", type=int, default=8, help="calibration batches of 4 sequences")
     parser.add_argument("--tokens", type=int, default=16_384, help="perplexity token budget (same for every row)")

@@ -109,9 +109,10 @@ def _paired_layers(student: nn.Module, teacher: nn.Module) -> list[tuple[nn.Modu
     if not modules:
         raise ValueError("reconstruct_blocks_: the student's decoder blocks hold no FakeQuantLinear; run "
                          "quantize_(student, config) first")
-    if any(m.cfg.scheme == "int" and m.cfg.zero_domain != "int" for m in modules):  # q4_0 / q4_1 / q8_0 grids
-        raise ValueError("reconstruct_blocks_: the llama.cpp presets (q4_0, q4_1, q8_0: fp16 offsets, signed "
-                         "scales) are not supported yet; use --blockwise-steps 0 with them")
+    if any((m.cfg.scheme == "int" and m.cfg.zero_domain != "int") or m.cfg.scheme == "kquant" for m in modules):
+        raise ValueError("reconstruct_blocks_: the llama.cpp presets (q4_0, q4_1, q8_0, q2_k, q3_k, q4_k, q6_k: fp16 "
+                         "offsets, signed or two-level scales) are not supported yet; use --blockwise-steps 0 "
+                         "with them")
     if any(m.cfg.scale_rank for m in modules):  # s * (1 + A @ B) is not fp16-exact: no exact on-grid snap
         raise ValueError("reconstruct_blocks_: low-rank scales (scale_rank > 0) are not supported; reconstruct "
                          "with scale_rank=0 and add the low-rank factors afterwards")

@@ -160,6 +160,10 @@ def _presets(args: argparse.Namespace) -> None:
         kind = (f"lut{cfg.bits} ({cfg.codebook} codebook)" if cfg.scheme == "lut" else
                 f"int{cfg.bits}, {'symmetric' if cfg.symmetric else 'asymmetric'}"
                 + ("" if cfg.zero_domain == "int" else f", zero point {cfg.zero_domain} (llama.cpp {name.upper()})"))
+        if cfg.kquant:  # rows not a multiple of 256 use the fallback preset (QuantConfig.for_width)
+            kt = cfg.kquant
+            kind = (f"llama.cpp {kt.ggml_type}, {kt.bits_per_weight} bits/weight, 256-weight super-blocks; "
+                    f"rows not a multiple of 256: {kt.fallback}")
         print(f"{name:8s} {kind}, {group}, init {cfg.init}")
 
 

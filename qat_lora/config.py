@@ -325,7 +325,8 @@ class ExportConfig(StudentSpec):
     adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
     out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, gguf/, export.json)"})
     format: str = field(default="both", metadata={"help": "packed, dense, both, or gguf (gguf/model.gguf for llama.cpp; "
-                                                          "q8_0 / q4_0 / q4_1 presets bit-exact, others re-quantised)"})
+                                                          "q8_0 / q4_0 / q4_1 / q2_k / q3_k / q4_k / q6_k presets bit-exact, others "
+                                                          "re-quantised)"})
     merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
     cache: str = field(default="", metadata={"help": "KD cache: report held-out KD loss before/after the merge"})
     batch_size: int = field(default=4, metadata={"help": "sequences per forward for the merge report"})

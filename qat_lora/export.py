@@ -32,7 +32,8 @@ from .files import atomic_write_json
 from .gguf_export import GGUF_DIR, save_gguf
 from .metrics import kd_metrics
 from .student import load_student
-from .quant import FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict, quant_config_from_dict
+from .quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict,
+                    quant_config_from_dict)
 
 HEADER_KEY = "qat_lora"
 FORMAT_NAME = "qat-lora-packed"
@@ -44,7 +45,7 @@ EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, GGUF_DIR, REPORT_FILE, REP
 # packed/config.json carries a model_type transformers rejects, naming the format (issue 18, item 4): a plain
 # config there made AutoModelForCausalLM.from_pretrained(packed/) build a RANDOM model with only a warning.
 PACKED_MODEL_TYPE = "qat-lora-packed"
-QUANT_TENSORS = ("scale", "zero", "codebook", "scale_a", "scale_b")
+QUANT_TENSORS = QUANT_PARAMETERS
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -107,11 +108,8 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
     tensors, layers, skip = {}, {}, set()
     for name, layer in _quantised_layers(model).items():
         tensors[f"{name}.qweight"] = pack_codes(layer.codes().cpu(), layer.cfg.bits)
-        for key, p in layer.quant_parameters().items():
-            # The forward uses round(zero): store that integer (exact in fp16). A QAT-trained zero is fractional,
-            # and fp16(z) can round the other way than z when z lies within fp16 precision of k + 0.5.
-            value = torch.round(p) if key == "zero" and layer.cfg.zero_domain == "int" else p  # float: fp16 offset
-            tensors[f"{name}.{key}"] = value.detach().cpu().to(torch.float16).contiguous()
+        for key, value in layer.stored_quant_parameters().items():  # what the forward uses, exact in fp16
+            tensors[f"{name}.{key}"] = value.cpu().to(torch.float16).contiguous()
             skip.add(f"{name}.{key}")
         skip.add(f"{name}.weight")
         layers[name] = {"config": quant_config_dict(layer.cfg), "group_size": layer.group_size,
@@ -279,7 +277,8 @@ def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
                             "layers": len(header["layers"])}
     report["bits_per_weight"] = bits_per_weight(student)
     if cfg.format == "gguf":
-        report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student")
+        teacher_gguf = cfg.model if Path(cfg.model).suffix == ".gguf" else None  # its metadata carry over
+        report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student", teacher_gguf)
     if cfg.format in ("dense", "both"):
         save_dense(student, out / DENSE_DIR, tokenizer)
     atomic_write_json(out / REPORT_FILE, report)

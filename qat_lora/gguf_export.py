@@ -6,11 +6,14 @@ The container is written by the `gguf` package's GGUFWriter; only the blocks of 
 here (ggml-common.h): Q8_0 = fp16 d + 32 int8 q (w = d * q); Q4_0 = fp16 d + 16 bytes of nibbles
 (w = d * (c - 8)); Q4_1 = fp16 d + fp16 m + 16 bytes (w = d * c + m); nibble j holds code j (low) and code
 j + 16 (high). A quantised linear whose grid IS one of these types (the q8_0 / q4_0 / q4_1 presets) is written
-from its own codes and fp16 scales, so gguf's dequantiser returns the student's Wq bit for bit; any other
-grid is re-quantised (to Q4_1 keeping the codes for 4-bit int groups of 32, else to Q8_0 by gguf's quantiser)
-and the summary reports each layer's relative error. Every layer is checked by dequantising what was written.
-Metadata follow llama.cpp's convert_hf_to_gguf for Llama-family models: llama.* hyper-parameters, a gpt2-style
-BPE vocabulary with its pre-tokenizer name, q/k rows permuted the way llama.cpp's rotary embedding expects;
+from its own codes and fp16 scales, and a K-quant layer (q2_k / q3_k / q4_k / q6_k) from its codes, integer
+sub-block scales and mins and fp16 super-block scales (gguf_kquant.py), so gguf's dequantiser returns the
+student's Wq bit for bit; any other grid is re-quantised (to Q4_1 keeping the codes for 4-bit int groups of
+32, else to Q8_0 by gguf's quantiser) and the summary reports each layer's relative error. Every layer is
+checked by dequantising what was written. Metadata: copied from the teacher's GGUF when the model came from
+one (the quantisation keys are ours); otherwise as llama.cpp's convert_hf_to_gguf writes them for Llama-family
+models: llama.* hyper-parameters, a gpt2-style BPE vocabulary with its pre-tokenizer name, q/k rows permuted
+the way llama.cpp's rotary embedding expects;
 1-D tensors (norms, biases) F32, other full-precision matrices (embeddings, head) F16.
 """
 from __future__ import annotations
@@ -25,12 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .gguf_kquant import kquant_blocks
 from .quant import FakeQuantLinear
 from .quant_init import snap_fp16
 
 GGUF_DIR, GGUF_FILE = "gguf", "model.gguf"
 BLOCK = 32  # weights per block of Q8_0 / Q4_0 / Q4_1
-QUANT_KEYS = ("weight", "scale", "zero", "codebook", "scale_a", "scale_b")
 
 
 def _gguf():
@@ -81,6 +84,8 @@ def pack_blocks(codes: np.ndarray, d: np.ndarray, qtype: str, m: np.ndarray | No
 def _layer_blocks(layer: FakeQuantLinear) -> tuple[str, np.ndarray]:
     """(type, blocks [out, bytes]) for one quantised linear: exact for llama.cpp grids, else re-quantised."""
     gguf = _gguf()
+    if layer.cfg.scheme == "kquant":  # Q2_K / Q3_K / Q4_K / Q6_K: always exact (gguf_kquant.py)
+        return kquant_blocks(layer)
     qtype = exact_type(layer)
     codes = layer.codes().numpy().astype(np.int16) + layer.cfg.qmin  # [out, in]: the integer q of the grid
     if qtype is not None:
@@ -195,10 +200,36 @@ def _add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     special.add_to_gguf(writer, quiet=True)
 
 
+# Keys the writer owns (the container's, and what depends on how the tensors are quantised): never copied from a
+# teacher's GGUF.
+OWN_KEYS = ("general.architecture", "general.alignment", "general.file_type", "general.quantization_version")
+
+
+def _copy_teacher_metadata(writer, path: str | Path, config) -> None:
+    """Every key-value pair of the teacher's GGUF (tokenizer, chat template, hyper-parameters, provenance) but
+    the container's and OWN_KEYS, which this export writes itself.
+
+    Raises:
+        ValueError: the file is no llama GGUF of this model's depth.
+    """
+    gguf = _gguf()
+    fields = gguf.GGUFReader(str(path)).fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    blocks = fields.get(f"{arch}.block_count")
+    if arch != "llama" or blocks is None or int(blocks.contents()) != config.num_hidden_layers:
+        raise ValueError(f"{path}: a {arch} GGUF with {None if blocks is None else blocks.contents()} blocks, not the "
+                         f"llama model of {config.num_hidden_layers} blocks being exported; pass the GGUF it came from")
+    for key, field in fields.items():
+        if key.startswith("GGUF.") or key in OWN_KEYS:
+            continue
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if array else None)
+
+
 def _state_tensors(model: nn.Module, layers: dict[str, FakeQuantLinear]) -> dict[str, torch.Tensor]:
     """Full-precision tensors (everything but the quantised linears' weights and quantisers), the tied head
     skipped as llama.cpp expects (no output.weight means: reuse token_embd)."""
-    skip = {f"{n}.{k}" for n in layers for k in QUANT_KEYS}
+    skip = {f"{n}.{k}" for n, layer in layers.items() for k in ("weight", *layer.quant_parameters())}
     tied = getattr(model.config, "tie_word_embeddings", False)
     return {k: v for k, v in model.state_dict().items()
             if k not in skip and not (tied and k.endswith("lm_head.weight"))}
@@ -214,9 +245,11 @@ def _check(written: np.ndarray, qtype: str, expected: torch.Tensor) -> tuple[boo
 
 
 @torch.no_grad()
-def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "student") -> dict:
+def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "student",
+              teacher_gguf: str | Path | None = None) -> dict:
     """Write `out_dir/model.gguf` for a fake-quant Llama student (no PEFT wrapper); atomic (temporary name,
-    then rename).
+    then rename). With `teacher_gguf` (the .gguf the model was loaded from) its metadata are copied (tokenizer,
+    chat template, hyper-parameters), and only the quantisation keys are this export's own.
 
     Returns:
         {"file", "bytes", "file_type", "types": {type: count}, "exact_layers", "bits_per_weight", "max_rel_error",
@@ -233,8 +266,11 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
     out_dir.mkdir(parents=True, exist_ok=True)
     path, tmp = out_dir / GGUF_FILE, out_dir / (GGUF_FILE + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")
-    _add_llama_metadata(writer, config, name)
-    _add_tokenizer(writer, tokenizer, config.vocab_size)
+    if teacher_gguf:
+        _copy_teacher_metadata(writer, teacher_gguf, config)
+    else:
+        _add_llama_metadata(writer, config, name)
+        _add_tokenizer(writer, tokenizer, config.vocab_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     heads = {"q_proj": config.num_attention_heads,
              "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
@@ -251,7 +287,7 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
 
     layers = {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
     report: dict = {"layers": {}}
-    stored_bits = weights = 0  # the quantised linears' bits per weight as stored (Q4_0: 4.5, Q4_1: 5, Q8_0: 8.5)
+    stored_bits = weights = 0  # the quantised linears' bits per weight as stored (Q4_0: 4.5, Q4_K: 4.5, ...)
     for layer_name, layer in layers.items():
         qtype, blocks = _layer_blocks(layer)
         blocks = permuted(f"{layer_name}.weight", blocks)
@@ -266,7 +302,8 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
         x = permuted(key, tensor.detach().float().cpu().numpy())
         writer.add_tensor(gguf_name(key), x.astype(np.float32 if x.ndim == 1 else np.float16))
     types = Counter(v["type"] for v in report["layers"].values())
-    file_type = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}.get(
+    file_type = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q2_K": "MOSTLY_Q2_K",
+                 "Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S", "Q6_K": "MOSTLY_Q6_K"}.get(
         types.most_common(1)[0][0] if types else "F16", "MOSTLY_F16")
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

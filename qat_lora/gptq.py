@@ -25,7 +25,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import blocks, quant_init
+from . import blocks, kquant, quant_init
 from .quant import FakeQuantLinear, QuantConfig
 
 
@@ -34,11 +34,14 @@ class _GroupGrid:
 
     int: scale/zero [out, groups] as quant_init.rtn_scale_zero / mse_scale_zero return them.
     lut: the FakeQuantLinear's own scale [out, groups] and codebook [1, 1, K] or [out, groups, K], kept fixed.
+    kquant: the layer's sub-block scales d * sc and mins dmin * m ([out, groups] each, kquant.sub_block_grid),
+    kept fixed: GPTQ then only chooses the codes, which the two-level scales need not re-fit.
     """
 
     def __init__(self, cfg: QuantConfig, group_size: int, out_features: int, in_features: int,
-                 scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None) -> None:
-        self.cfg, self.group_size = cfg, group_size
+                 scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
+                 kquant_grid: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        self.cfg, self.group_size, self.kquant_grid = cfg, group_size, kquant_grid
         groups = in_features // group_size
         self.scale = torch.zeros(out_features, groups) if scale is None else scale.detach().float().cpu()
         self.zero = torch.zeros(out_features, groups)
@@ -46,8 +49,8 @@ class _GroupGrid:
 
     def fit_(self, group: int, w: torch.Tensor, importance: torch.Tensor) -> None:
         """Fit group `group` on its current weights w [out, G], weighted by importance [G] (diag H) under mse."""
-        if self.cfg.scheme == "lut":
-            return  # the codebook and scales are fixed inputs
+        if self.cfg.scheme != "int":
+            return  # lut / kquant: the scales (and codebook, mins) are fixed inputs
         cfg, g = self.cfg, w.shape[1]
         init = cfg.init if cfg.init in ("mse", "ggml") else "rtn"  # hqq's fit is for whole layers, not GPTQ's groups
         s, z = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, init, cfg.zero_domain, importance)
@@ -62,6 +65,11 @@ class _GroupGrid:
     def quantize(self, w: torch.Tensor, column: int) -> torch.Tensor:
         """Grid value [out] of column `column` (original index) holding w [out]; FakeQuantLinear's arithmetic."""
         group = column // self.group_size
+        if self.kquant_grid is not None:  # kquant.fake_quantize_kquant's arithmetic, one column
+            s, m = (None if t is None else t[:, group] for t in self.kquant_grid)
+            safe = torch.where(s == 0, torch.ones_like(s), s)
+            q = torch.clamp(torch.round(w / safe if m is None else (w + m) / safe), self.cfg.qmin, self.cfg.qmax)
+            return q * s if m is None else q * s - m
         s = self.scale[:, group]
         if self.codebook is not None:
             cb = self.codebook[:, group]  # [out, K]
@@ -105,7 +113,8 @@ def _group_now(w: torch.Tensor, w1: torch.Tensor, err1: torch.Tensor, u: torch.T
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, group_size: int, *,
                   damp: float = 0.01, act_order: bool = False, block_size: int = 128,
-                  scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
+                  kquant_grid: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
     """GPTQ-quantise one weight matrix onto a FakeQuantLinear grid.
 
     Args:
@@ -117,26 +126,31 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig,
             weights ("static groups"), so groups stay contiguous in the original column order.
         block_size: columns per lazy-batch update.
         scale, codebook: lut only: the layer's fixed scale [out, groups] and codebook ([1, 1, K] | [out, groups, K]).
+        kquant_grid: kquant only: the layer's fixed (sub-block scales, mins or None), kquant.sub_block_grid.
     Returns:
         int: {"weight": Wq [out, in], "scale": [out, groups] fp16-representable, "zero": [out, groups] integer};
-        lut: {"weight", "scale", "codebook"}; float32 CPU. Wq == FakeQuantLinear's fake-quantisation of Wq.
+        lut: {"weight", "scale", "codebook"}; kquant: {"weight"}; float32 CPU. Wq == FakeQuantLinear's fake-quantisation of Wq.
     Raises:
         ValueError: shapes that do not match, a lut call without scale/codebook, or an H not positive definite.
     """
     _check_args(weight, hessian, cfg, group_size, scale, codebook, damp, block_size)
+    if cfg.scheme == "kquant" and kquant_grid is None:
+        raise ValueError("gptq_quantize: the kquant scheme keeps the layer's two-level scales fixed; pass "
+                         "kquant_grid=kquant.sub_block_grid(cfg, **layer.quant_parameters())")
     threads = torch.get_num_threads()
     # The column loop is thousands of tiny ops: with more than one thread each pays OpenMP start-up and, on a
     # busy host, spin-waits (1536 x 576, w3g64, 2 busy cores: 75 s with 2 threads, 1.4 s with 1).
     torch.set_num_threads(1)
     try:
-        return _gptq_quantize(weight, hessian, cfg, group_size, damp, act_order, block_size, scale, codebook)
+        return _gptq_quantize(weight, hessian, cfg, group_size, damp, act_order, block_size, scale, codebook,
+                              kquant_grid)
     finally:
         torch.set_num_threads(threads)
 
 
 def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, group_size: int, damp: float,
                    act_order: bool, block_size: int, scale: torch.Tensor | None,
-                   codebook: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                   codebook: torch.Tensor | None, kquant_grid=None) -> dict[str, torch.Tensor]:
     out_features, in_features = weight.shape
     w = weight.detach().float().cpu().clone()
     h = hessian.detach().float().cpu().clone()
@@ -144,8 +158,10 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     importance = torch.diag(h).clone()
-    grid = _GroupGrid(cfg, group_size, out_features, in_features, scale, codebook)
-    static = act_order or cfg.scheme == "lut"
+    if kquant_grid is not None:
+        kquant_grid = tuple(None if t is None else t.detach().float().cpu() for t in kquant_grid)
+    grid = _GroupGrid(cfg, group_size, out_features, in_features, scale, codebook, kquant_grid)
+    static = act_order or cfg.scheme != "int"
     if static:
         grid.fit_all_(w, importance)
     perm = torch.argsort(importance, descending=True) if act_order else torch.arange(in_features)
@@ -167,6 +183,8 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
         w[:, i2:] -= err1 @ u[i1:i2, i2:]  # lazy update of the later blocks
     wq = torch.empty_like(q)
     wq[:, perm] = q  # undo the act-order permutation
+    if cfg.scheme == "kquant":
+        return {"weight": wq}
     if cfg.scheme == "lut":
         return {"weight": wq, "scale": grid.scale, "codebook": codebook.detach().float().cpu()}
     return {"weight": wq, "scale": grid.scale, "zero": grid.zero}
@@ -267,8 +285,10 @@ def _quantize_module(module: FakeQuantLinear, h: torch.Tensor, damp: float, act_
     w = module.weight.detach().float().cpu().clone()  # the latent weight is overwritten below
     before = relative_error(w, module.quantized_weight().detach(), h)
     lut = module.cfg.scheme == "lut"
+    grid = kquant.sub_block_grid(module.cfg, **module.quant_parameters()) if module.cfg.scheme == "kquant" else None
     result = gptq_quantize(w, h, module.cfg, module.group_size, damp=damp, act_order=act_order,
-                           scale=module.scale if lut else None, codebook=module.codebook if lut else None)
+                           scale=module.scale if lut else None, codebook=module.codebook if lut else None,
+                           kquant_grid=grid)
     _write_(module, result)
     return {"init_err": before, "gptq_err": relative_error(w, result["weight"], h),
             "seconds": time.perf_counter() - start}

@@ -23,20 +23,13 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import device as dev, quant_init
+from . import device as dev, kquant, quant_init
 from .quant_config import (CODEBOOKS, INITS, PRESETS, SCHEMES, ZERO_DOMAINS, QuantConfig,  # noqa: F401 (re-exported)
                            get_preset, quant_config_dict, quant_config_from_dict)
 
 
-def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    # Forward: round (bit-exact: x + (round(x) - x) == round(x) in floating point); backward: identity.
-    return x + (torch.round(x) - x).detach()
-
-
-def _fp16_ste(x: torch.Tensor) -> torch.Tensor:
-    # Forward: the nearest fp16 value (what the export stores); backward: identity, so fp32 Adam state keeps
-    # accumulating sub-fp16 updates.
-    return x + (quant_init.snap_fp16(x) - x).detach()
+_round_ste, _fp16_ste = quant_init.round_ste, quant_init.fp16_ste  # shared with kquant.py
+QUANT_PARAMETERS = ("scale", "zero", "codebook", "scale_a", "scale_b", *kquant.PARAMETERS)  # every scheme's names
 
 
 def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
@@ -138,10 +131,14 @@ class FakeQuantLinear(nn.Linear):
         self.group_size = group_size
         groups = in_features // group_size
         f32 = dict(device=device, dtype=torch.float32)
-        self.scale = nn.Parameter(torch.ones(out_features, groups, **f32))
+        if cfg.scheme == "kquant":  # llama.cpp's two-level grids: kquant.py
+            for name, shape in kquant.parameter_shapes(cfg, out_features, in_features).items():
+                setattr(self, name, nn.Parameter(torch.zeros(*shape, **f32)))
+        else:
+            self.scale = nn.Parameter(torch.ones(out_features, groups, **f32))
         if cfg.scheme == "int":
             self.zero = nn.Parameter(torch.zeros(out_features, groups, **f32))
-        else:
+        elif cfg.scheme == "lut":
             shape = (out_features, groups) if cfg.codebook == "group" else (1, 1)
             self.codebook = nn.Parameter(torch.zeros(*shape, 2**cfg.bits, **f32))
         if cfg.scale_rank:
@@ -161,6 +158,7 @@ class FakeQuantLinear(nn.Linear):
         Args:
             importance: optional [in] per-column weights for the data-aware initialisation.
         """
+        cfg = cfg.for_width(linear.in_features)  # a K-quant on rows not a multiple of 256: its fallback
         group_size = linear.in_features if cfg.group_size is None else cfg.group_size
         if linear.in_features % group_size:
             raise ValueError(f"group size {group_size} does not divide in_features={linear.in_features} of layer "
@@ -173,9 +171,22 @@ class FakeQuantLinear(nn.Linear):
         return new
 
     def quant_parameters(self) -> dict[str, nn.Parameter]:
-        """The quantiser's own parameters by attribute name (scale, zero | codebook, scale_a, scale_b)."""
-        names = ("scale", "zero", "codebook", "scale_a", "scale_b")
-        return {n: getattr(self, n) for n in names if isinstance(getattr(self, n, None), nn.Parameter)}
+        """The quantiser's own parameters by attribute name (scale, zero | codebook, scale_a, scale_b; kquant:
+        kquant.PARAMETERS)."""
+        return {n: getattr(self, n) for n in QUANT_PARAMETERS if isinstance(getattr(self, n, None), nn.Parameter)}
+
+    @torch.no_grad()
+    def stored_quant_parameters(self) -> dict[str, torch.Tensor]:
+        """The quantiser parameters as the forward uses them, exact in fp16 (what an export stores): an integer
+        zero rounded, a K-quant's sub-block scales and mins rounded and clamped to their ranges. A QAT-trained
+        latent is fractional, and fp16(z) can round the other way than z within fp16 precision of k + 0.5."""
+        out = {k: p.detach() for k, p in self.quant_parameters().items()}
+        if self.cfg.scheme == "kquant":
+            stored = kquant.stored_parameters(self.cfg, **out)
+            out.update({"sub_scale": stored["sc"], **({"sub_min": stored["m"]} if "m" in stored else {})})
+        elif self.cfg.scheme == "int" and self.cfg.zero_domain == "int":
+            out["zero"] = torch.round(out["zero"])
+        return out
 
     @torch.no_grad()
     def init_quantizer_(self, importance: torch.Tensor | None = None) -> None:
@@ -184,7 +195,9 @@ class FakeQuantLinear(nn.Linear):
         cfg, w, g = self.cfg, self.weight.detach().cpu().float(), self.group_size
         imp = None if importance is None else importance.detach().cpu()
         values: dict[str, torch.Tensor] = {}
-        if cfg.scheme == "int":
+        if cfg.scheme == "kquant":
+            values = kquant.init_parameters(w, cfg, imp)
+        elif cfg.scheme == "int":
             values["scale"], values["zero"] = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, cfg.init,
                                                                         cfg.zero_domain, imp)
         else:
@@ -207,6 +220,8 @@ class FakeQuantLinear(nn.Linear):
                                self.group_size)
 
     def _fake_quantize(self) -> torch.Tensor:
+        if self.cfg.scheme == "kquant":
+            return kquant.fake_quantize_kquant(self.weight, self.cfg, **self.quant_parameters())
         if self.cfg.scheme == "int":
             return fake_quantize(self.weight, self._scale(), self.zero, self.cfg.qmin, self.cfg.qmax, self.cfg.zero_domain)
         return fake_quantize_lut(self.weight, self._scale(), _fp16_ste(self.codebook))
@@ -235,6 +250,8 @@ class FakeQuantLinear(nn.Linear):
     @torch.no_grad()
     def codes(self) -> torch.Tensor:
         """Integer codes [out, in] (uint8, in [0, 2^bits)) that `dequantize` maps back to `quantized_weight()`."""
+        if self.cfg.scheme == "kquant":
+            return (kquant.codes(self.weight, self.cfg, **self.quant_parameters()) - self.cfg.qmin).to(torch.uint8)
         w = self.weight.float().reshape(self.out_features, -1, self.group_size)
         s = self._scale()
         if self.cfg.scheme == "int":
@@ -291,17 +308,21 @@ class FakeQuantLinear(nn.Linear):
                 f"symmetric={cfg.symmetric}, scale_rank={cfg.scale_rank}")
 
 
-def dequantize(codes: torch.Tensor, cfg: QuantConfig, group_size: int, scale: torch.Tensor,
+def dequantize(codes: torch.Tensor, cfg: QuantConfig, group_size: int, scale: torch.Tensor | None = None,
                zero: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
-               scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
+               scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+               **kquant_parameters: torch.Tensor) -> torch.Tensor:
     """Rebuild Wq from integer codes with the same arithmetic as the training-time forward (bit-exact).
 
     Args:
         codes: [out, in] integers in [0, 2^bits); scale: [out, groups]; zero: [out, groups] (int scheme);
-            codebook: [1, 1, K] or [out, groups, K] (lut); scale_a/scale_b: low-rank factors or None.
+            codebook: [1, 1, K] or [out, groups, K] (lut); scale_a/scale_b: low-rank factors or None;
+            kquant_parameters: kquant.PARAMETERS by name (scheme kquant; scale unused).
     Returns:
         [out, in] float32.
     """
+    if cfg.scheme == "kquant":
+        return kquant.dequantize(codes.float() + cfg.qmin, cfg, **kquant_parameters)
     f32 = [None if t is None else t.float() for t in (scale, zero, codebook, scale_a, scale_b)]
     scale, zero, codebook, scale_a, scale_b = f32
     out_features, in_features = codes.shape
@@ -385,7 +406,8 @@ def parameter_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
          "zeros": zero points, "codebooks": LUT values, "lora": PEFT adapter parameters}.
     """
     groups: dict[str, list[nn.Parameter]] = {k: [] for k in PARAMETER_GROUPS}
-    role = {"scale": "scales", "scale_a": "scales", "scale_b": "scales", "zero": "zeros", "codebook": "codebooks"}
+    role = {"scale": "scales", "scale_a": "scales", "scale_b": "scales", "zero": "zeros", "codebook": "codebooks",
+            "super_scale": "scales", "sub_scale": "scales", "super_min": "zeros", "sub_min": "zeros"}
     for module in model.modules():
         if isinstance(module, FakeQuantLinear):
             groups["weights"].append(module.weight)

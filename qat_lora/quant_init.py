@@ -27,6 +27,17 @@ def snap_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(x.dtype)
 
 
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """Forward: round (bit-exact: x + (round(x) - x) == round(x) in floating point); backward: identity."""
+    return x + (torch.round(x) - x).detach()
+
+
+def fp16_ste(x: torch.Tensor) -> torch.Tensor:
+    """Forward: the nearest fp16 value (what the export stores); backward: identity, so fp32 Adam state keeps
+    accumulating sub-fp16 updates."""
+    return x + (snap_fp16(x) - x).detach()
+
+
 def _grouped(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     return weight.detach().float().reshape(weight.shape[0], -1, group_size)  # [out, groups, G]
 
