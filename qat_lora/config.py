@@ -266,26 +266,30 @@ EXPORT_FORMATS = ("packed", "dense", "both", "gguf")
 
 @dataclass
 class ExportConfig(StudentSpec):
-    adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
-    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, gguf/, export.json)"})
+    adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/): written beside the "
+                                                       "base as OUT/adapter (PEFT format), or merged"})
+    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, gguf/, adapter/, "
+                                                                  "merged-fp/, export.json)"})
     format: str = field(default="both", metadata={"help": "packed, dense, both, or gguf (gguf/model.gguf for llama.cpp; "
                                                           "q8_0 / q4_0 / q4_1 presets bit-exact, others re-quantised)"})
-    merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
-    cache: str = field(default="", metadata={"help": "KD cache: report held-out KD loss before/after the merge"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per forward for the merge report"})
+    merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise "
+                                                                 "onto the grid (reports how much recovery it kept)"})
+    merge_fp: bool = field(default=False, metadata={"help": "also write merged-fp/: base + adapter merged in full "
+                                                            "precision (exact; NOT smaller than the original model)"})
+    cache: str = field(default="", metadata={"help": "KD cache: held-out KL and perplexity of the student, its base "
+                                                     "and each merge"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per forward for the held-out report"})
     overwrite: bool = field(default=False, metadata={"help": "replace an earlier export in --out"})
 
     def __post_init__(self) -> None:
         if self.format not in EXPORT_FORMATS:
             raise ValueError(f"--format {self.format}: use one of {', '.join(EXPORT_FORMATS)}")
-        if self.merge_adapter and not self.adapter:
-            raise ValueError("--merge-adapter needs --adapter (the run's adapter/ folder)")
+        for flag in ("merge_adapter", "merge_fp", "cache"):
+            if getattr(self, flag) and not self.adapter:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --adapter (the run's adapter/ folder)")
         if self.format == "gguf" and self.adapter and not self.merge_adapter:
             raise ValueError("--format gguf cannot carry an unmerged --adapter yet: add --merge-adapter, or export "
                              "the adapter with --format packed or dense")
-        if self.cache and not self.merge_adapter:
-            raise ValueError("--cache only feeds the merge report: add --merge-adapter (with --adapter) or drop "
-                             "--cache")
         if not self.quant:
             raise ValueError("--quant is required for export: the preset the student was trained with")
         super().__post_init__()

@@ -14,6 +14,7 @@ naming it (the model's own config sits inside, under `base_config`).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -27,11 +28,11 @@ from torch import nn
 
 from . import models
 from .config import ExportConfig
-from .cache import KDCache
+from .export_merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
+                           student_and_base_metrics)
 from .files import atomic_write_json
 from .gguf_export import GGUF_DIR, save_gguf
-from .metrics import kd_metrics
-from .student import load_student
+from .student import load_student, save_adapter
 from .quant import FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict, quant_config_from_dict
 
 HEADER_KEY = "qat_lora"
@@ -39,8 +40,21 @@ FORMAT_NAME = "qat-lora-packed"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
-PACKED_DIR, DENSE_DIR, ADAPTER_DIR = "packed", "dense", "adapter"
-EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, GGUF_DIR, REPORT_FILE, REPORT_FILE + ".tmp")
+PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR = "packed", "dense", "adapter", "merged-fp"
+EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, GGUF_DIR, REPORT_FILE, REPORT_FILE + ".tmp")
+# What each folder holds and how to load it: the export's summary prints this for every folder it wrote.
+FOLDER_HELP = {
+    PACKED_DIR: "the low-bit base, codes at their bit width + fp16 scales; qat-lora only: "
+                "qat_lora.export.load_packed(dir)",
+    DENSE_DIR: "the low-bit base dequantised to full precision (same size as the original model); plain "
+               "transformers: AutoModelForCausalLM.from_pretrained(dir)",
+    ADAPTER_DIR: "the recovery LoRA, unmerged, in PEFT's format over the base's module names: "
+                 "PeftModel.from_pretrained(<the exported base, loaded>, dir)",
+    MERGED_FP_DIR: "base + adapter merged in full precision: exact, a plain transformers folder, NOT smaller than "
+                   "the original model; AutoModelForCausalLM.from_pretrained(dir)",
+    GGUF_DIR: "llama.cpp / Ollama: llama-cli -m gguf/model.gguf; transformers: from_pretrained(dir, "
+              "gguf_file='model.gguf')",
+}
 # packed/config.json carries a model_type transformers rejects, naming the format (issue 18, item 4): a plain
 # config there made AutoModelForCausalLM.from_pretrained(packed/) build a RANDOM model with only a warning.
 PACKED_MODEL_TYPE = "qat-lora-packed"
@@ -207,36 +221,6 @@ def save_dense(model: nn.Module, out_dir: str | Path, tokenizer=None) -> None:
         tokenizer.save_pretrained(out_dir)
 
 
-@torch.no_grad()
-def merge_lora_(peft_model) -> tuple[nn.Module, dict]:
-    """Merge each LoRA adapter into its quantised base and re-quantise with the base's scales.
-
-    Returns:
-        (the unwrapped student, {"requant_rel_error": ||Wq' - (Wq + dW)||_F / ||dW||_F over all layers,
-         "merged_layers": count}); the error is what re-quantisation adds on top of the adapter.
-    """
-    err2 = delta2 = 0.0
-    merged = 0
-    for module in peft_model.modules():
-        base = getattr(module, "base_layer", None)
-        if not isinstance(base, FakeQuantLinear) or not getattr(module, "lora_A", None):
-            continue
-        for adapter in module.active_adapters:
-            delta = module.get_delta_weight(adapter).to(base.weight.dtype)
-            target = base.quantized_weight() + delta
-            base.weight.data = target.clone()
-            base._cached_wq = None
-            err2 += float(((base.quantized_weight() - target) ** 2).sum())
-            delta2 += float((delta**2).sum())
-            merged += 1
-    student = peft_model.unload()
-    return student, {"requant_rel_error": math.sqrt(err2 / max(delta2, 1e-30)), "merged_layers": merged}
-
-
-def _kd_loss(model, cache_dir: str, batch_size: int) -> dict:
-    return kd_metrics(model, KDCache(cache_dir), batch_size, torch.device("cpu"))
-
-
 def _prepare_out(cfg: ExportConfig) -> Path:
     """An export never mixes with another: an earlier one is replaced only with --overwrite (only what an
     export writes is removed), and a folder holding anything else is refused."""
@@ -256,35 +240,76 @@ def _prepare_out(cfg: ExportConfig) -> Path:
     return out
 
 
+def byte_breakdown(model: nn.Module) -> dict[str, int]:
+    """Bytes of the low-bit student as the packed format stores them: quantised linears' codes, their fp16
+    quantiser tensors (scales, zeros, codebooks), the input embeddings, the head (0 when tied) and the rest."""
+    layers = _quantised_layers(model)
+    skip = {f"{n}.{k}" for n in layers for k in ("weight", *QUANT_TENSORS)}
+    sizes = {id(t): t.numel() * t.element_size() for t in _other_tensors(model, skip).values()}
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    embeddings = emb.numel() * emb.element_size()
+    head_bytes = 0 if head.data_ptr() == emb.data_ptr() else head.numel() * head.element_size()
+    return {"quantised_linears": sum(math.ceil(m.weight.numel() * m.cfg.bits / 8) for m in layers.values()),
+            "scales": sum(2 * p.numel() for m in layers.values() for p in m.quant_parameters().values()),
+            "embeddings": embeddings, "head": head_bytes, "other": sum(sizes.values()) - embeddings - head_bytes}
+
+
+def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Callable[[str], None]):
+    """The adapter's way into the export (export_merge.py): beside the base (adapter/), merged into the grid,
+    and/or merged in full precision (merged-fp/); held-out metrics and verdicts when --cache is given.
+    Returns (the student without PEFT wrappers, report)."""
+    info: dict = {}
+    measured = student_and_base_metrics(peft_model, cfg.cache, cfg.batch_size) if cfg.cache else None
+    if measured:
+        info["heldout"] = measured
+    if cfg.merge_fp:
+        full = merge_full_(copy.deepcopy(peft_model))
+        full.save_pretrained(out / MERGED_FP_DIR)
+        tokenizer.save_pretrained(out / MERGED_FP_DIR)
+        if measured:
+            info["merge_fp"] = recovery_verdict(measured, heldout_metrics(full, cfg.cache, cfg.batch_size),
+                                                "--merge-fp")
+    if not cfg.merge_adapter:
+        save_adapter(peft_model, out / ADAPTER_DIR)  # PEFT's own names over the base's module names
+        return peft_model.unload(), info
+    student, info["merge"] = merge_lora_(peft_model)
+    if measured:
+        info["merge"].update(recovery_verdict(measured, heldout_metrics(student, cfg.cache, cfg.batch_size),
+                                              "--merge-adapter"))
+    elif info["merge"]["requant_rel_error"] > KEEP_THRESHOLD:
+        info["merge"]["verdict"] = (f"WARNING --merge-adapter: re-quantisation moved the weights by "
+                                    f"{info['merge']['requant_rel_error']:.0%} of the adapter's change, so most of "
+                                    "the recovery may be lost; pass --cache to measure it")
+    for key in ("merge_fp", "merge"):
+        if "verdict" in info.get(key, {}):
+            log(info[key]["verdict"])
+    return student, info
+
+
 def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
-    """Build the student (with its adapter), optionally merge, and write the artefacts; returns the report."""
+    """Build the student (with its adapter), carry the adapter (beside or merged), write the artefacts;
+    returns the report (also out/export.json) and logs what each folder holds and how to load it."""
     out = _prepare_out(cfg)
     tokenizer = models.load_tokenizer(cfg.model)
     student = load_student(cfg.student_spec(), cfg.adapter)
     report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant))}
     if cfg.adapter:
-        if cfg.merge_adapter:
-            before = _kd_loss(student, cfg.cache, cfg.batch_size) if cfg.cache else None
-            student, report["merge"] = merge_lora_(student)
-            if before is not None:
-                after = _kd_loss(student, cfg.cache, cfg.batch_size)
-                report["merge"].update(kd_kl_before=before["kd_kl"], kd_kl_after=after["kd_kl"],
-                                       kd_soft_ce_before=before["kd_soft_ce"], kd_soft_ce_after=after["kd_soft_ce"])
-        else:
-            student = student.get_base_model()
-            shutil.copytree(cfg.adapter, out / ADAPTER_DIR, dirs_exist_ok=True)
+        student, report["adapter"] = _carry_adapter(cfg, student, out, tokenizer, log)
+    report["bits_per_weight"] = bits_per_weight(student)
+    report["bytes"] = byte_breakdown(student)
     if cfg.format in ("packed", "both"):
         header = save_packed(student, out / PACKED_DIR, get_preset(cfg.quant), tokenizer)
         report["packed"] = {"bits_per_weight": header["bits_per_weight"], "bytes": header["bytes"],
                             "layers": len(header["layers"])}
-    report["bits_per_weight"] = bits_per_weight(student)
     if cfg.format == "gguf":
         report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student")
     if cfg.format in ("dense", "both"):
         save_dense(student, out / DENSE_DIR, tokenizer)
+    report["folders"] = {name: FOLDER_HELP[name] for name in FOLDER_HELP if (out / name).exists()}
     atomic_write_json(out / REPORT_FILE, report)
-    summary = {k: v for k, v in report.items() if k != "config"}
+    summary = {k: v for k, v in report.items() if k not in ("config", "folders")}
     if "gguf" in summary:  # per-layer errors stay in export.json; the console gets the totals
         summary["gguf"] = {k: v for k, v in summary["gguf"].items() if k != "layers"}
     log(json.dumps(summary, indent=2))
+    log("\n".join(f"{name}/: {text}" for name, text in report["folders"].items()))
     return report
