@@ -261,7 +261,7 @@ class RecoverConfig(StudentSpec):
         super().__post_init__()
 
 
-EXPORT_FORMATS = ("packed", "dense", "both", "gguf")
+EXPORT_FORMATS = ("packed", "dense", "both", "gguf", "compressed-tensors")
 
 
 @dataclass
@@ -270,8 +270,9 @@ class ExportConfig(StudentSpec):
                                                        "base as OUT/adapter (PEFT format), or merged"})
     out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, gguf/, adapter/, "
                                                                   "merged-fp/, export.json)"})
-    format: str = field(default="both", metadata={"help": "packed, dense, both, or gguf (gguf/model.gguf for llama.cpp; "
-                                                          "q8_0 / q4_0 / q4_1 presets bit-exact, others re-quantised)"})
+    format: str = field(default="both", metadata={"help": "packed, dense, both, gguf (gguf/model.gguf for llama.cpp; "
+                                                          "q8_0 / q4_0 / q4_1 presets bit-exact, others re-quantised) or "
+                                                          "compressed-tensors (vLLM, transformers; int 2/4/8-bit)"})
     merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise "
                                                                  "onto the grid (reports how much recovery it kept)"})
     merge_fp: bool = field(default=False, metadata={"help": "also write merged-fp/: base + adapter merged in full "
@@ -293,6 +294,10 @@ class ExportConfig(StudentSpec):
         if not self.quant:
             raise ValueError("--quant is required for export: the preset the student was trained with")
         super().__post_init__()
+        if self.format == "compressed-tensors":
+            from .export_ct import check_supported
+
+            check_supported(get_preset(self.quant), self.quant)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from . import models
 from .config import ExportConfig
 from .export_merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
                            student_and_base_metrics)
+from .export_ct import CT_DIR, save_compressed_tensors
 from .files import atomic_write_json
 from .gguf_export import GGUF_DIR, save_gguf
 from .student import load_student, save_adapter
@@ -41,7 +42,8 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
 PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR = "packed", "dense", "adapter", "merged-fp"
-EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, GGUF_DIR, REPORT_FILE, REPORT_FILE + ".tmp")
+EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, GGUF_DIR, CT_DIR, REPORT_FILE,
+                  REPORT_FILE + ".tmp")
 # What each folder holds and how to load it: the export's summary prints this for every folder it wrote.
 FOLDER_HELP = {
     PACKED_DIR: "the low-bit base, codes at their bit width + fp16 scales; qat-lora only: "
@@ -52,6 +54,8 @@ FOLDER_HELP = {
                  "PeftModel.from_pretrained(<the exported base, loaded>, dir)",
     MERGED_FP_DIR: "base + adapter merged in full precision: exact, a plain transformers folder, NOT smaller than "
                    "the original model; AutoModelForCausalLM.from_pretrained(dir)",
+    CT_DIR: "the low-bit base as compressed-tensors pack-quantized ints: vLLM (vllm serve dir) and transformers "
+            "with the compressed-tensors package (AutoModelForCausalLM.from_pretrained(dir))",
     GGUF_DIR: "llama.cpp / Ollama: llama-cli -m gguf/model.gguf; transformers: from_pretrained(dir, "
               "gguf_file='model.gguf')",
 }
@@ -303,6 +307,9 @@ def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
                             "layers": len(header["layers"])}
     if cfg.format == "gguf":
         report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student")
+    if cfg.format == "compressed-tensors":
+        report["compressed_tensors"] = save_compressed_tensors(student, out / CT_DIR, get_preset(cfg.quant), cfg.quant,
+                                                               tokenizer)
     if cfg.format in ("dense", "both"):
         save_dense(student, out / DENSE_DIR, tokenizer)
     report["folders"] = {name: FOLDER_HELP[name] for name in FOLDER_HELP if (out / name).exists()}
