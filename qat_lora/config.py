@@ -288,9 +288,6 @@ class ExportConfig(StudentSpec):
         for flag in ("merge_adapter", "merge_fp", "cache"):
             if getattr(self, flag) and not self.adapter:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --adapter (the run's adapter/ folder)")
-        if self.format == "gguf" and self.adapter and not self.merge_adapter:
-            raise ValueError("--format gguf cannot carry an unmerged --adapter yet: add --merge-adapter, or export "
-                             "the adapter with --format packed or dense")
         if not self.quant:
             raise ValueError("--quant is required for export: the preset the student was trained with")
         super().__post_init__()

@@ -33,6 +33,7 @@ from .export_merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_l
 from .export_ct import CT_DIR, save_compressed_tensors
 from .files import atomic_write_json
 from .gguf_export import GGUF_DIR, save_gguf
+from .gguf_lora import save_gguf_lora
 from .student import load_student, save_adapter
 from .quant import FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict, quant_config_from_dict
 
@@ -56,8 +57,8 @@ FOLDER_HELP = {
                    "the original model; AutoModelForCausalLM.from_pretrained(dir)",
     CT_DIR: "the low-bit base as compressed-tensors pack-quantized ints: vLLM (vllm serve dir) and transformers "
             "with the compressed-tensors package (AutoModelForCausalLM.from_pretrained(dir))",
-    GGUF_DIR: "llama.cpp / Ollama: llama-cli -m gguf/model.gguf; transformers: from_pretrained(dir, "
-              "gguf_file='model.gguf')",
+    GGUF_DIR: "llama.cpp / Ollama: llama-cli -m gguf/model.gguf [--lora gguf/adapter.gguf: the unmerged adapter]; "
+              "transformers: from_pretrained(dir, gguf_file='model.gguf')",
 }
 # packed/config.json carries a model_type transformers rejects, naming the format (issue 18, item 4): a plain
 # config there made AutoModelForCausalLM.from_pretrained(packed/) build a RANDOM model with only a warning.
@@ -275,6 +276,8 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
                                                 "--merge-fp")
     if not cfg.merge_adapter:
         save_adapter(peft_model, out / ADAPTER_DIR)  # PEFT's own names over the base's module names
+        if cfg.format == "gguf":
+            info["gguf"] = save_gguf_lora(peft_model, out / GGUF_DIR)
         return peft_model.unload(), info
     student, info["merge"] = merge_lora_(peft_model)
     if measured:

@@ -187,7 +187,6 @@ def test_unmerged_adapter_is_copied_beside_the_base(teacher_dir, tmp_path):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(format="onnx"), "--format onnx"), (dict(merge_adapter=True), "--merge-adapter needs --adapter"),
-    (dict(format="gguf", adapter="runs/x/adapter"), "--format gguf cannot carry an unmerged --adapter"),
     (dict(quant="w5"), "unknown quantisation preset"), (dict(model=""), "--model is required"),
     (dict(quantizer="/nonexistent/quantizer.safetensors"), "--quantizer .*no such file"),
     (dict(cache="caches/kd"), "--cache needs --adapter"), (dict(merge_fp=True), "--merge-fp needs --adapter"),
