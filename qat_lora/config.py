@@ -279,12 +279,22 @@ class ExportConfig(StudentSpec):
                                                             "precision (exact; NOT smaller than the original model)"})
     cache: str = field(default="", metadata={"help": "KD cache: held-out KL and perplexity of the student, its base "
                                                      "and each merge"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per forward for the held-out report"})
+    resnap_steps: int = field(default=0, metadata={"help": "after --merge-adapter, QAT steps of the merged weights "
+                                                            "against --cache so the grid keeps the recovery (0 = off)"})
+    resnap_preset: str = field(default="weight-qat", metadata={"help": "what the re-snap trains: weight-qat (weights + "
+                                                                       "scales) or qat (scales, zeros)"})
+    resnap_lr: float = field(default=5e-4, metadata={"help": "peak learning rate of the re-snap stage"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per forward (held-out report, re-snap)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an earlier export in --out"})
 
     def __post_init__(self) -> None:
         if self.format not in EXPORT_FORMATS:
             raise ValueError(f"--format {self.format}: use one of {', '.join(EXPORT_FORMATS)}")
+        if self.resnap_steps and not (self.merge_adapter and self.cache):
+            raise ValueError("--resnap-steps needs --merge-adapter and --cache (it trains the merged weights on it)")
+        if self.resnap_preset not in ("weight-qat", "qat"):
+            raise ValueError(f"--resnap-preset {self.resnap_preset!r}: choose weight-qat or qat")
+        _require_non_negative(self, "resnap_steps", note=" (0 = off)")
         for flag in ("merge_adapter", "merge_fp", "cache"):
             if getattr(self, flag) and not self.adapter:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --adapter (the run's adapter/ folder)")

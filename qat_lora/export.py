@@ -18,7 +18,7 @@ import copy
 import json
 import math
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -27,14 +27,15 @@ import torch
 from torch import nn
 
 from . import models
-from .config import ExportConfig
+from .config import ExportConfig, StudentSpec, TrainConfig
 from .export_merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
                            student_and_base_metrics)
 from .export_ct import CT_DIR, save_compressed_tensors
 from .files import atomic_write_json
 from .gguf_export import GGUF_DIR, save_gguf
 from .gguf_lora import save_gguf_lora
-from .student import load_student, save_adapter
+from .student import build_student, load_student, save_adapter, save_quantizer_state
+from .train import train
 from .quant import FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict, quant_config_from_dict
 
 HEADER_KEY = "qat_lora"
@@ -42,8 +43,10 @@ FORMAT_NAME = "qat-lora-packed"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
-PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR = "packed", "dense", "adapter", "merged-fp"
-EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, GGUF_DIR, CT_DIR, REPORT_FILE,
+PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR = "packed", "dense", "adapter", "merged-fp", "resnap"
+# The re-snap's weights learn at 4x --resnap-lr: recover's QAT defaults (--weight-lr 2e-3 over --qat-lr 5e-4).
+RESNAP_WEIGHT_LR_RATIO = 4.0
+EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR, GGUF_DIR, CT_DIR, REPORT_FILE,
                   REPORT_FILE + ".tmp")
 # What each folder holds and how to load it: the export's summary prints this for every folder it wrote.
 FOLDER_HELP = {
@@ -57,6 +60,7 @@ FOLDER_HELP = {
                    "the original model; AutoModelForCausalLM.from_pretrained(dir)",
     CT_DIR: "the low-bit base as compressed-tensors pack-quantized ints: vLLM (vllm serve dir) and transformers "
             "with the compressed-tensors package (AutoModelForCausalLM.from_pretrained(dir))",
+    RESNAP_DIR: "the re-snap training run (--resnap-steps): metrics and the re-snapped quantizer.safetensors",
     GGUF_DIR: "llama.cpp / Ollama: llama-cli -m gguf/model.gguf [--lora gguf/adapter.gguf: the unmerged adapter]; "
               "transformers: from_pretrained(dir, gguf_file='model.gguf')",
 }
@@ -280,6 +284,8 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
             info["gguf"] = save_gguf_lora(peft_model, out / GGUF_DIR)
         return peft_model.unload(), info
     student, info["merge"] = merge_lora_(peft_model)
+    if cfg.resnap_steps:
+        student, info["merge"]["resnap"] = _resnap(cfg, student, out, tokenizer, log)
     if measured:
         info["merge"].update(recovery_verdict(measured, heldout_metrics(student, cfg.cache, cfg.batch_size),
                                               "--merge-adapter"))
@@ -291,6 +297,31 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
         if "verdict" in info.get(key, {}):
             log(info[key]["verdict"])
     return student, info
+
+
+def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Callable[[str], None]):
+    """Re-snap the grid-merged student: the trainer's weight-qat / qat preset, started from the merged latent
+    weights Wq + dW (saved as a plain model) with the base's scales, trained against --cache so the weights that
+    land on the grid keep the adapter's recovery. Returns (the re-snapped student on its grid, the run summary)."""
+    work = out / RESNAP_DIR
+    plain = copy.deepcopy(merged)
+    for name, layer in _quantised_layers(plain).items():  # the latent weights, not their grid values
+        linear = layer.to_linear()
+        linear.weight.data = layer.weight.detach().clone()
+        parent, _, child = name.rpartition(".")
+        setattr(plain.get_submodule(parent) if parent else plain, child, linear)
+    plain.save_pretrained(work / "model")
+    tokenizer.save_pretrained(work / "model")
+    save_quantizer_state(merged, work / "start-quantizer.safetensors")  # the base's scales and zeros
+    spec = StudentSpec(str(work / "model"), cfg.quant, str(work / "start-quantizer.safetensors"))
+    log(f"re-snap: {cfg.resnap_preset}, {cfg.resnap_steps} steps on {cfg.cache}")
+    summary = train(TrainConfig(**asdict(spec), cache=cfg.cache, out=str(work / "run"), preset=cfg.resnap_preset,
+                                max_steps=cfg.resnap_steps, lr=cfg.resnap_lr, batch_size=cfg.batch_size,
+                                weight_lr_ratio=RESNAP_WEIGHT_LR_RATIO,
+                                warmup_steps=max(1, cfg.resnap_steps // 20), overwrite=True), log)
+    student = build_student(replace(spec, quantizer=summary["quantizer"])).eval()
+    shutil.rmtree(work / "model")  # a full-precision copy: the export's own folders hold the result
+    return student, {"preset": cfg.resnap_preset, "steps": cfg.resnap_steps, "quantizer": summary["quantizer"]}
 
 
 def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:

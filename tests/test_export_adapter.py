@@ -124,3 +124,34 @@ def test_grid_merge_without_a_cache_warns_from_the_requantisation_error(teacher_
     assert main(["export", "--model", str(teacher_dir), "--quant", QUANT, "--adapter", trained_adapter,
                  "--merge-adapter", "--format", "packed", "--out", str(out)]) == 0
     assert "pass --cache to measure it" in capsys.readouterr().out
+
+
+def test_resnap_stage_trains_the_merged_grid_back_toward_the_recovery(teacher_dir, trained_adapter, cache_dir,
+                                                                    tmp_path):
+    from qat_lora.export_merge import heldout_metrics, merge_lora_
+
+    out = tmp_path / "e"
+    assert main(["export", "--model", str(teacher_dir), "--quant", QUANT, "--adapter", trained_adapter,
+                 "--merge-adapter", "--cache", str(cache_dir), "--resnap-steps", "30",
+                 "--format", "packed", "--out", str(out)]) == 0
+    adapter = json.loads((out / "export.json").read_text())["adapter"]
+    merge = adapter["merge"]
+    assert merge["resnap"]["preset"] == "weight-qat" and (out / "resnap" / "run" / "summary.json").exists()
+    assert not (out / "resnap" / "model").exists()  # the full-precision working copy is not left behind
+    exported = heldout_metrics(load_packed(out / "packed"), str(cache_dir), 4)  # the low-bit file, reloaded
+    assert merge["merged"]["kd_kl"] == pytest.approx(exported["kd_kl"], rel=1e-9)
+    grid_only, _ = merge_lora_(load_student(StudentSpec(str(teacher_dir), QUANT), trained_adapter))
+    plain_merge = heldout_metrics(grid_only, str(cache_dir), 4)
+    assert exported["kd_kl"] < plain_merge["kd_kl"]  # the re-snap won back what re-quantisation erased
+    base, student = adapter["heldout"]["base"]["kd_kl"], adapter["heldout"]["student"]["kd_kl"]
+    assert merge["recovery_kept"] == pytest.approx((base - exported["kd_kl"]) / (base - student), rel=1e-9)
+    assert merge["recovery_kept"] > (base - plain_merge["kd_kl"]) / (base - student)
+
+
+def test_resnap_needs_the_merge_and_a_cache():
+    from qat_lora.config import ExportConfig
+
+    with pytest.raises(ValueError, match="--resnap-steps needs --merge-adapter and --cache"):
+        ExportConfig(model="m", quant=QUANT, adapter="a", merge_adapter=True, resnap_steps=10)
+    with pytest.raises(ValueError, match="--resnap-preset 'recovery-lora'"):
+        ExportConfig(model="m", quant=QUANT, resnap_preset="recovery-lora")
