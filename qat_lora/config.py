@@ -308,6 +308,28 @@ class ExportConfig(StudentSpec):
 
 
 @dataclass
+class GenerateConfig(StudentSpec):
+    quant: str = field(default="", metadata={"help": "quantisation preset of a student built from a full-precision "
+                                                    "--model (empty: --model is used as it is, e.g. an export)"})
+    adapter: str = field(default="", metadata={"help": "recovery adapter folder (a run's or an export's adapter/)"})
+    prompt: str = field(default="", metadata={"help": "generate: the user message (required)"})
+    system: str = field(default="", metadata={"help": "chat: a system message opening the conversation"})
+    raw: bool = field(default=False, metadata={"help": "send the prompt as plain text, not in the chat template"})
+    max_new_tokens: int = field(default=256, metadata={"help": "tokens to generate per reply"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples at this temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (with --temperature > 0)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu (XLA: static KV cache)"})
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "max_new_tokens")
+        _require_non_negative(self, "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
+        super().__post_init__()
+
+
+@dataclass
 class DemoConfig:
     assets_dir: str = field(default="", metadata={"help": "asset folder (default: ~/.cache/qat-lora/assets)"})
     work_dir: str = field(default="runs/demo", metadata={"help": "where the cache, run and results go"})
