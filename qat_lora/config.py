@@ -99,8 +99,10 @@ class TrainConfig(StudentSpec):
     eval_steps: int = field(default=0, metadata={"help": "held-out KD eval every N steps and at the end; keeps "
                                                          "best/ (0 = off)"})
     log_steps: int = field(default=10, metadata={"help": "read and write metrics every N steps"})
-    tensorboard: bool = field(default=False, metadata={"help": "also write metrics as TensorBoard scalars to "
-                                                               "OUT/tensorboard (pip install tensorboard)"})
+    report_to: str = field(default="none", metadata={"help": "also send metrics to tensorboard (OUT/tensorboard) or "
+                                                            "wandb (OUT/wandb; offline unless WANDB_MODE / WANDB_API_KEY "
+                                                            "say online), master rank only; none"})
+    tensorboard: bool = field(default=False, metadata={"help": "the same as --report-to tensorboard"})
     seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
     num_chips: int = field(default=1, metadata={"help": "devices to train on: TPU chips, GPUs or CPU processes "
@@ -136,12 +138,17 @@ class TrainConfig(StudentSpec):
         if not self.quant:
             raise ValueError("--quant is required for training: a quantisation preset (see `qat-lora presets`)")
         self.loss_config()
-        if self.tensorboard:
+        if self.tensorboard and self.report_to not in ("none", "tensorboard"):
+            raise ValueError(f"--tensorboard means --report-to tensorboard; drop it or --report-to {self.report_to}")
+        self.report_to = "tensorboard" if self.tensorboard else self.report_to
+        if self.report_to not in REPORT_TO:
+            raise ValueError(f"--report-to {self.report_to!r}: choose one of {', '.join(REPORT_TO)}")
+        if self.report_to != "none":
             import importlib.util
 
-            if importlib.util.find_spec("tensorboard") is None:
-                raise ValueError("--tensorboard: the tensorboard package is not installed; pip install tensorboard "
-                                 "(or 'qat-lora[tensorboard]')")
+            if importlib.util.find_spec(self.report_to) is None:
+                raise ValueError(f"--report-to {self.report_to}: the {self.report_to} package is not installed; pip "
+                                 f"install {self.report_to} (or 'qat-lora[{self.report_to}]')")
         super().__post_init__()
 
     def loss_config(self) -> KDLossConfig:
@@ -261,6 +268,7 @@ class RecoverConfig(StudentSpec):
         super().__post_init__()
 
 
+REPORT_TO = ("none", "tensorboard", "wandb")
 EXPORT_FORMATS = ("packed", "dense", "both", "gguf", "compressed-tensors")
 
 
