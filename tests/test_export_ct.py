@@ -87,15 +87,10 @@ def test_unsupported_presets_get_one_line_naming_the_alternatives(quant, teacher
 
 
 def test_peft_adapter_beside_the_compressed_tensors_base_reproduces_the_student(teacher_dir, tmp_path):
-    from qat_lora.lora import add_recovery_lora_
+    from conftest import save_random_adapter
     from qat_lora.student import load_student
 
-    adapted = add_recovery_lora_(build_student(StudentSpec(str(teacher_dir), "q4_0")), r=4)
-    with torch.no_grad():  # stands in for training: a non-zero B
-        for name, p in adapted.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    adapted.save_pretrained(str(tmp_path / "run-adapter"))
+    save_random_adapter(teacher_dir, "q4_0", tmp_path / "run-adapter", seed=1)
     out = tmp_path / "x"
     assert main(["export", "--model", str(teacher_dir), "--quant", "q4_0", "--adapter", str(tmp_path / "run-adapter"),
                  "--format", "compressed-tensors", "--out", str(out)]) == 0

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-
+from conftest import save_random_adapter
 from qat_lora.cli import main
 from qat_lora.config import StudentSpec
 from qat_lora.gguf_export import llama_tensor_naming
-from qat_lora.lora import add_recovery_lora_
-from qat_lora.student import build_student, load_student
+from qat_lora.student import load_student
 
 gguf = pytest.importorskip("gguf")
 
@@ -21,12 +19,7 @@ def _field(reader, key):
 
 
 def test_gguf_adapter_round_trips_and_rebuilds_the_adapted_weights(teacher_dir, tmp_path):
-    adapted = add_recovery_lora_(build_student(StudentSpec(str(teacher_dir), "q4_0")), r=4, alpha=12.0)
-    with torch.no_grad():  # stands in for training: a non-zero B
-        for name, p in adapted.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
-    adapted.save_pretrained(str(tmp_path / "run-adapter"))
+    save_random_adapter(teacher_dir, "q4_0", tmp_path / "run-adapter", r=4, alpha=12.0, seed=2)
     out = tmp_path / "x"
     assert main(["export", "--model", str(teacher_dir), "--quant", "q4_0", "--adapter", str(tmp_path / "run-adapter"),
                  "--format", "gguf", "--out", str(out)]) == 0

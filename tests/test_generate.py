@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from conftest import save_random_adapter
 from qat_lora.cli import main
 from qat_lora.config import GenerateConfig, StudentSpec
 from qat_lora.generate import chat, generate
-from qat_lora.lora import add_recovery_lora_
-from qat_lora.student import build_student, load_student
+from qat_lora.student import load_student
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -27,12 +27,7 @@ def chat_model(tmp_path_factory, teacher_dir, tokenizer):
     tok = tokenizer.__class__.from_pretrained(str(teacher_dir))
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(root / "model"))
-    adapted = add_recovery_lora_(build_student(StudentSpec(str(root / "model"), "w3g32")), r=4)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
-    adapted.save_pretrained(str(root / "adapter"))
+    save_random_adapter(root / "model", "w3g32", root / "adapter", seed=3)
     return root
 
 
