@@ -99,9 +99,9 @@ class TrainConfig(StudentSpec):
     eval_steps: int = field(default=0, metadata={"help": "held-out KD eval every N steps and at the end; keeps "
                                                          "best/ (0 = off)"})
     log_steps: int = field(default=10, metadata={"help": "read and write metrics every N steps"})
-    report_to: str = field(default="none", metadata={"help": "also send metrics to tensorboard (OUT/tensorboard) or "
-                                                            "wandb (OUT/wandb; offline unless WANDB_MODE / WANDB_API_KEY "
-                                                            "say online), master rank only; none"})
+    report_to: str = field(default="none", metadata={"help": "also send metrics to tensorboard (OUT/tensorboard) "
+                                                            "or wandb (OUT/wandb; offline unless WANDB_MODE / "
+                                                            "WANDB_API_KEY say online), master rank only; none"})
     tensorboard: bool = field(default=False, metadata={"help": "the same as --report-to tensorboard"})
     seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})

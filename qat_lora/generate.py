@@ -107,7 +107,8 @@ def generate(cfg: GenerateConfig, on_text: Callable[[str], None] = _print_piece)
     return new
 
 
-def chat(cfg: GenerateConfig, read: Callable[[str], str] = input, on_text: Callable[[str], None] = _print_piece) -> None:
+def chat(cfg: GenerateConfig, read: Callable[[str], str] = input,
+         on_text: Callable[[str], None] = _print_piece) -> None:
     """`qat-lora chat`: a conversation on stdin; an empty line, /exit or end of input stops."""
     device = dev.resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)

@@ -48,7 +48,8 @@ def test_pack_int32_matches_compressed_tensors():
 
 
 @pytest.mark.parametrize("quant,mode", [("w4g32", "dequantize"), ("w4g64", "dequantize"), ("w4pc", "dequantize"),
-                                        ("w8pc", "dequantize"), ("w2g32", "dequantize"), ("q4_0", "compressed"), ("q4_0", "dequantize"),
+                                        ("w8pc", "dequantize"), ("w2g32", "dequantize"), ("q4_0", "compressed"),
+                                        ("q4_0", "dequantize"),
                                         ("q8_0", "compressed")])
 def test_transformers_loads_the_folder_and_rebuilds_the_students_weights(quant, mode, teacher_dir, tmp_path):
     # mode compressed: plain from_pretrained, modules kept compressed and decompressed on the first forward;
