@@ -119,6 +119,22 @@ def _export(args: argparse.Namespace) -> None:
     export(config_from_args(ExportConfig, args))
 
 
+def _generate(args: argparse.Namespace) -> None:
+    from .config import GenerateConfig
+    from .generate import generate
+
+    if not args.prompt:
+        raise ValueError("--prompt is required: the message to reply to (or use `qat-lora chat`)")
+    generate(config_from_args(GenerateConfig, args))
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from .config import GenerateConfig
+    from .generate import chat
+
+    chat(config_from_args(GenerateConfig, args))
+
+
 def _demo(args: argparse.Namespace) -> None:
     from .config import DemoConfig
     from .demo import run_demo
@@ -172,8 +188,8 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     the name of the script in scripts/ that runs it, and `defaults` are that script's own defaults (what its
     --help shows)."""
     from . import __version__
-    from .config import (CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, GenerateDataConfig, QuantizeConfig,
-                         RecoverConfig, TrainConfig)
+    from .config import (CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, GenerateConfig,
+                         GenerateDataConfig, QuantizeConfig, RecoverConfig, TrainConfig)
 
     parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"qat-lora {__version__}")
@@ -193,7 +209,9 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
         ("train", "train recovery LoRA adapters and/or the quantiser from a cache, on one or N chips", TrainConfig,
          _train),
         ("eval", "held-out perplexity and KD metrics", EvalConfig, _eval),
-        ("export", "write the packed low-bit artefact and/or a dense transformers folder", ExportConfig, _export),
+        ("export", "write the low-bit student (packed, dense, gguf, compressed-tensors) and its adapter", ExportConfig,
+         _export),
+        ("generate", "one streamed reply of the student (or any export) to --prompt", GenerateConfig, _generate),
         ("demo", "the whole chain on SmolLM2 with a small budget", DemoConfig, _demo),
     ]
     for name, help_text, cls, func in commands:
@@ -203,6 +221,12 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
         p.add_argument("--version", action="version", version=f"{prog or 'qat-lora ' + name} {__version__}")
         add_dataclass_flags(p, cls)
         p.set_defaults(func=func, **((defaults or {}) if prog else {}))
+    p = sub.add_parser("chat", help="a streamed conversation with the student (or any export) on stdin",
+                       description="a streamed conversation with the student (or any export) on stdin",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"qat-lora chat {__version__}")
+    add_dataclass_flags(p, GenerateConfig, skip=("prompt",))
+    p.set_defaults(func=_chat)
     sub.add_parser("presets", help="list the quantisation presets").set_defaults(func=_presets)
     p = sub.add_parser("plot", help="draw a run's loss and eval curves to RUN_DIR/curves.png")
     p.add_argument("run_dir", help="run folder (holds metrics.jsonl)")

@@ -134,8 +134,10 @@ class TrainConfig(StudentSpec):
     eval_steps: int = field(default=0, metadata={"help": "held-out KD eval every N steps and at the end; keeps "
                                                          "best/ (0 = off)"})
     log_steps: int = field(default=10, metadata={"help": "read and write metrics every N steps"})
-    tensorboard: bool = field(default=False, metadata={"help": "also write metrics as TensorBoard scalars to "
-                                                               "OUT/tensorboard (pip install tensorboard)"})
+    report_to: str = field(default="none", metadata={"help": "also send metrics to tensorboard (OUT/tensorboard) "
+                                                            "or wandb (OUT/wandb; offline unless WANDB_MODE / "
+                                                            "WANDB_API_KEY say online), master rank only; none"})
+    tensorboard: bool = field(default=False, metadata={"help": "the same as --report-to tensorboard"})
     seed: int = field(default=0, metadata={"help": "seed for LoRA init and data order"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
     num_chips: int = field(default=0, metadata={"help": "devices to train on: TPU chips, GPUs or CPU processes; 0 = "
@@ -185,12 +187,17 @@ class TrainConfig(StudentSpec):
         if not self.quant:
             raise ValueError("--quant is required for training: a quantisation preset (see `qat-lora presets`)")
         self.loss_config()
-        if self.tensorboard:
+        if self.tensorboard and self.report_to not in ("none", "tensorboard"):
+            raise ValueError(f"--tensorboard means --report-to tensorboard; drop it or --report-to {self.report_to}")
+        self.report_to = "tensorboard" if self.tensorboard else self.report_to
+        if self.report_to not in REPORT_TO:
+            raise ValueError(f"--report-to {self.report_to!r}: choose one of {', '.join(REPORT_TO)}")
+        if self.report_to != "none":
             import importlib.util
 
-            if importlib.util.find_spec("tensorboard") is None:
-                raise ValueError("--tensorboard: the tensorboard package is not installed; pip install tensorboard "
-                                 "(or 'qat-lora[tensorboard]')")
+            if importlib.util.find_spec(self.report_to) is None:
+                raise ValueError(f"--report-to {self.report_to}: the {self.report_to} package is not installed; pip "
+                                 f"install {self.report_to} (or 'qat-lora[{self.report_to}]')")
         super().__post_init__()
 
     def loss_config(self) -> KDLossConfig:
@@ -315,40 +322,79 @@ class RecoverConfig(StudentSpec):
         super().__post_init__()
 
 
-EXPORT_FORMATS = ("packed", "dense", "both", "gguf")
+REPORT_TO = ("none", "tensorboard", "wandb")
+EXPORT_FORMATS = ("packed", "dense", "both", "gguf", "compressed-tensors")
 
 
 @dataclass
 class ExportConfig(StudentSpec):
     quant: str = field(default="", metadata={"help": "quantisation preset (default: the one the run of --adapter / "
                                                      "--quantizer recorded)"})
-    adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to include"})
-    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, gguf/, export.json)"})
-    format: str = field(default="both", metadata={"help": "packed, dense, both, or gguf (gguf/model.gguf for llama.cpp; "
-                                                          "q8_0 / q4_0 / q4_1 / q2_k / q3_k / q4_k / q6_k presets bit-exact, others "
-                                                          "re-quantised)"})
-    merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise"})
-    cache: str = field(default="", metadata={"help": "KD cache: report held-out KD loss before/after the merge"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per forward for the merge report"})
+    adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/): written beside the "
+                                                       "base as OUT/adapter (PEFT format), or merged"})
+    out: str = field(default="exports/student", metadata={"help": "output folder (packed/, dense/, gguf/, adapter/, "
+                                                                  "merged-fp/, export.json)"})
+    format: str = field(default="both", metadata={"help": "packed, dense, both, gguf (gguf/model.gguf for llama.cpp; "
+                                                          "q8_0 / q4_0 / q4_1 / q2_k / q3_k / q4_k / q6_k presets bit-exact, "
+                                                          "others re-quantised) or "
+                                                          "compressed-tensors (vLLM, transformers; int 2/4/8-bit)"})
+    merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise "
+                                                                 "onto the grid (reports how much recovery it kept)"})
+    merge_fp: bool = field(default=False, metadata={"help": "also write merged-fp/: base + adapter merged in full "
+                                                            "precision (exact; NOT smaller than the original model)"})
+    cache: str = field(default="", metadata={"help": "KD cache: held-out KL and perplexity of the student, its base "
+                                                     "and each merge"})
+    resnap_steps: int = field(default=0, metadata={"help": "after --merge-adapter, QAT steps of the merged weights "
+                                                            "against --cache so the grid keeps the recovery (0 = off)"})
+    resnap_preset: str = field(default="weight-qat", metadata={"help": "what the re-snap trains: weight-qat (weights + "
+                                                                       "scales) or qat (scales, zeros)"})
+    resnap_lr: float = field(default=5e-4, metadata={"help": "peak learning rate of the re-snap stage"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per forward (held-out report, re-snap)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an earlier export in --out"})
 
     def __post_init__(self) -> None:
         if self.format not in EXPORT_FORMATS:
             raise ValueError(f"--format {self.format}: use one of {', '.join(EXPORT_FORMATS)}")
-        if self.merge_adapter and not self.adapter:
-            raise ValueError("--merge-adapter needs --adapter (the run's adapter/ folder)")
-        if self.format == "gguf" and self.adapter and not self.merge_adapter:
-            raise ValueError("--format gguf cannot carry an unmerged --adapter yet: add --merge-adapter, or export "
-                             "the adapter with --format packed or dense")
-        if self.cache and not self.merge_adapter:
-            raise ValueError("--cache only feeds the merge report: add --merge-adapter (with --adapter) or drop "
-                             "--cache")
+        if self.resnap_steps and not (self.merge_adapter and self.cache):
+            raise ValueError("--resnap-steps needs --merge-adapter and --cache (it trains the merged weights on it)")
+        if self.resnap_preset not in ("weight-qat", "qat"):
+            raise ValueError(f"--resnap-preset {self.resnap_preset!r}: choose weight-qat or qat")
+        _require_non_negative(self, "resnap_steps", note=" (0 = off)")
+        for flag in ("merge_adapter", "merge_fp", "cache"):
+            if getattr(self, flag) and not self.adapter:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --adapter (the run's adapter/ folder)")
         if not self.model:
             raise ValueError("--model is required: the full-precision model folder, .gguf file or hub name")
         self.quant_from_run()
         if not self.quant:
             raise ValueError("--quant is required for export: the preset the student was trained with (read from "
                              "the run when --adapter or --quantizer comes from one)")
+        super().__post_init__()
+        if self.format == "compressed-tensors":
+            from .export_ct import check_supported
+
+            check_supported(get_preset(self.quant), self.quant)
+
+
+@dataclass
+class GenerateConfig(StudentSpec):
+    quant: str = field(default="", metadata={"help": "quantisation preset of a student built from a full-precision "
+                                                    "--model (empty: --model is used as it is, e.g. an export)"})
+    adapter: str = field(default="", metadata={"help": "recovery adapter folder (a run's or an export's adapter/)"})
+    prompt: str = field(default="", metadata={"help": "generate: the user message (required)"})
+    system: str = field(default="", metadata={"help": "chat: a system message opening the conversation"})
+    raw: bool = field(default=False, metadata={"help": "send the prompt as plain text, not in the chat template"})
+    max_new_tokens: int = field(default=256, metadata={"help": "tokens to generate per reply"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples at this temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (with --temperature > 0)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu (XLA: static KV cache)"})
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "max_new_tokens")
+        _require_non_negative(self, "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
         super().__post_init__()
 
 

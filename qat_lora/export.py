@@ -14,10 +14,11 @@ naming it (the model's own config sits inside, under `base_config`).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -26,12 +27,15 @@ import torch
 from torch import nn
 
 from . import models
-from .config import ExportConfig
-from .cache import KDCache
+from .config import ExportConfig, StudentSpec, TrainConfig
+from .export_merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
+                           student_and_base_metrics)
+from .export_ct import CT_DIR, save_compressed_tensors
 from .files import atomic_write_json
 from .gguf_export import GGUF_DIR, save_gguf
-from .metrics import kd_metrics
-from .student import load_student
+from .gguf_lora import save_gguf_lora
+from .student import build_student, load_student, save_adapter, save_quantizer_state
+from .train import train
 from .quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict,
                     quant_config_from_dict)
 
@@ -40,8 +44,27 @@ FORMAT_NAME = "qat-lora-packed"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
-PACKED_DIR, DENSE_DIR, ADAPTER_DIR = "packed", "dense", "adapter"
-EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, GGUF_DIR, REPORT_FILE, REPORT_FILE + ".tmp")
+PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR = "packed", "dense", "adapter", "merged-fp", "resnap"
+# The re-snap's weights learn at 4x --resnap-lr: recover's QAT defaults (--weight-lr 2e-3 over --qat-lr 5e-4).
+RESNAP_WEIGHT_LR_RATIO = 4.0
+EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR, GGUF_DIR, CT_DIR, REPORT_FILE,
+                  REPORT_FILE + ".tmp")
+# What each folder holds and how to load it: the export's summary prints this for every folder it wrote.
+FOLDER_HELP = {
+    PACKED_DIR: "the low-bit base, codes at their bit width + fp16 scales; qat-lora only: "
+                "qat_lora.export.load_packed(dir)",
+    DENSE_DIR: "the low-bit base dequantised to full precision (same size as the original model); plain "
+               "transformers: AutoModelForCausalLM.from_pretrained(dir)",
+    ADAPTER_DIR: "the recovery LoRA, unmerged, in PEFT's format over the base's module names: "
+                 "PeftModel.from_pretrained(<the exported base, loaded>, dir)",
+    MERGED_FP_DIR: "base + adapter merged in full precision: exact, a plain transformers folder, NOT smaller than "
+                   "the original model; AutoModelForCausalLM.from_pretrained(dir)",
+    CT_DIR: "the low-bit base as compressed-tensors pack-quantized ints: vLLM (vllm serve dir) and transformers "
+            "with the compressed-tensors package (AutoModelForCausalLM.from_pretrained(dir))",
+    RESNAP_DIR: "the re-snap training run (--resnap-steps): metrics and the re-snapped quantizer.safetensors",
+    GGUF_DIR: "llama.cpp / Ollama: llama-cli -m gguf/model.gguf [--lora gguf/adapter.gguf: the unmerged adapter]; "
+              "transformers: from_pretrained(dir, gguf_file='model.gguf')",
+}
 # packed/config.json carries a model_type transformers rejects, naming the format (issue 18, item 4): a plain
 # config there made AutoModelForCausalLM.from_pretrained(packed/) build a RANDOM model with only a warning.
 PACKED_MODEL_TYPE = "qat-lora-packed"
@@ -205,36 +228,6 @@ def save_dense(model: nn.Module, out_dir: str | Path, tokenizer=None) -> None:
         tokenizer.save_pretrained(out_dir)
 
 
-@torch.no_grad()
-def merge_lora_(peft_model) -> tuple[nn.Module, dict]:
-    """Merge each LoRA adapter into its quantised base and re-quantise with the base's scales.
-
-    Returns:
-        (the unwrapped student, {"requant_rel_error": ||Wq' - (Wq + dW)||_F / ||dW||_F over all layers,
-         "merged_layers": count}); the error is what re-quantisation adds on top of the adapter.
-    """
-    err2 = delta2 = 0.0
-    merged = 0
-    for module in peft_model.modules():
-        base = getattr(module, "base_layer", None)
-        if not isinstance(base, FakeQuantLinear) or not getattr(module, "lora_A", None):
-            continue
-        for adapter in module.active_adapters:
-            delta = module.get_delta_weight(adapter).to(base.weight.dtype)
-            target = base.quantized_weight() + delta
-            base.weight.data = target.clone()
-            base._cached_wq = None
-            err2 += float(((base.quantized_weight() - target) ** 2).sum())
-            delta2 += float((delta**2).sum())
-            merged += 1
-    student = peft_model.unload()
-    return student, {"requant_rel_error": math.sqrt(err2 / max(delta2, 1e-30)), "merged_layers": merged}
-
-
-def _kd_loss(model, cache_dir: str, batch_size: int) -> dict:
-    return kd_metrics(model, KDCache(cache_dir), batch_size, torch.device("cpu"))
-
-
 def _prepare_out(cfg: ExportConfig) -> Path:
     """An export never mixes with another: an earlier one is replaced only with --overwrite (only what an
     export writes is removed), and a folder holding anything else is refused."""
@@ -254,36 +247,109 @@ def _prepare_out(cfg: ExportConfig) -> Path:
     return out
 
 
+def byte_breakdown(model: nn.Module) -> dict[str, int]:
+    """Bytes of the low-bit student as the packed format stores them: quantised linears' codes, their fp16
+    quantiser tensors (scales, zeros, codebooks), the input embeddings, the head (0 when tied) and the rest."""
+    layers = _quantised_layers(model)
+    skip = {f"{n}.{k}" for n in layers for k in ("weight", *QUANT_TENSORS)}
+    sizes = {id(t): t.numel() * t.element_size() for t in _other_tensors(model, skip).values()}
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    embeddings = emb.numel() * emb.element_size()
+    head_bytes = 0 if head.data_ptr() == emb.data_ptr() else head.numel() * head.element_size()
+    return {"quantised_linears": sum(math.ceil(m.weight.numel() * m.cfg.bits / 8) for m in layers.values()),
+            "scales": sum(2 * p.numel() for m in layers.values() for p in m.quant_parameters().values()),
+            "embeddings": embeddings, "head": head_bytes, "other": sum(sizes.values()) - embeddings - head_bytes}
+
+
+def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Callable[[str], None]):
+    """The adapter's way into the export (export_merge.py): beside the base (adapter/), merged into the grid,
+    and/or merged in full precision (merged-fp/); held-out metrics and verdicts when --cache is given.
+    Returns (the student without PEFT wrappers, report)."""
+    info: dict = {}
+    measured = student_and_base_metrics(peft_model, cfg.cache, cfg.batch_size) if cfg.cache else None
+    if measured:
+        info["heldout"] = measured
+    if cfg.merge_fp:
+        full = merge_full_(copy.deepcopy(peft_model))
+        full.save_pretrained(out / MERGED_FP_DIR)
+        tokenizer.save_pretrained(out / MERGED_FP_DIR)
+        if measured:
+            info["merge_fp"] = recovery_verdict(measured, heldout_metrics(full, cfg.cache, cfg.batch_size),
+                                                "--merge-fp")
+    if not cfg.merge_adapter:
+        save_adapter(peft_model, out / ADAPTER_DIR)  # PEFT's own names over the base's module names
+        if cfg.format == "gguf":
+            info["gguf"] = save_gguf_lora(peft_model, out / GGUF_DIR)
+        return peft_model.unload(), info
+    student, info["merge"] = merge_lora_(peft_model)
+    if cfg.resnap_steps:
+        student, info["merge"]["resnap"] = _resnap(cfg, student, out, tokenizer, log)
+    if measured:
+        info["merge"].update(recovery_verdict(measured, heldout_metrics(student, cfg.cache, cfg.batch_size),
+                                              "--merge-adapter"))
+    elif info["merge"]["requant_rel_error"] > KEEP_THRESHOLD:
+        info["merge"]["verdict"] = (f"WARNING --merge-adapter: re-quantisation moved the weights by "
+                                    f"{info['merge']['requant_rel_error']:.0%} of the adapter's change, so most of "
+                                    "the recovery may be lost; pass --cache to measure it")
+    for key in ("merge_fp", "merge"):
+        if "verdict" in info.get(key, {}):
+            log(info[key]["verdict"])
+    return student, info
+
+
+def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Callable[[str], None]):
+    """Re-snap the grid-merged student: the trainer's weight-qat / qat preset, started from the merged latent
+    weights Wq + dW (saved as a plain model) with the base's scales, trained against --cache so the weights that
+    land on the grid keep the adapter's recovery. Returns (the re-snapped student on its grid, the run summary)."""
+    work = out / RESNAP_DIR
+    plain = copy.deepcopy(merged)
+    for name, layer in _quantised_layers(plain).items():  # the latent weights, not their grid values
+        linear = layer.to_linear()
+        linear.weight.data = layer.weight.detach().clone()
+        parent, _, child = name.rpartition(".")
+        setattr(plain.get_submodule(parent) if parent else plain, child, linear)
+    plain.save_pretrained(work / "model")
+    tokenizer.save_pretrained(work / "model")
+    save_quantizer_state(merged, work / "start-quantizer.safetensors")  # the base's scales and zeros
+    spec = StudentSpec(str(work / "model"), cfg.quant, str(work / "start-quantizer.safetensors"))
+    log(f"re-snap: {cfg.resnap_preset}, {cfg.resnap_steps} steps on {cfg.cache}")
+    summary = train(TrainConfig(**asdict(spec), cache=cfg.cache, out=str(work / "run"), preset=cfg.resnap_preset,
+                                max_steps=cfg.resnap_steps, lr=cfg.resnap_lr, batch_size=cfg.batch_size,
+                                weight_lr_ratio=RESNAP_WEIGHT_LR_RATIO,
+                                warmup_steps=max(1, cfg.resnap_steps // 20), overwrite=True), log)
+    student = build_student(replace(spec, quantizer=summary["quantizer"])).eval()
+    shutil.rmtree(work / "model")  # a full-precision copy: the export's own folders hold the result
+    return student, {"preset": cfg.resnap_preset, "steps": cfg.resnap_steps, "quantizer": summary["quantizer"]}
+
+
 def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
-    """Build the student (with its adapter), optionally merge, and write the artefacts; returns the report."""
+    """Build the student (with its adapter), carry the adapter (beside or merged), write the artefacts;
+    returns the report (also out/export.json) and logs what each folder holds and how to load it."""
     out = _prepare_out(cfg)
     tokenizer = models.load_tokenizer(cfg.model)
     student = load_student(cfg.student_spec(), cfg.adapter)
     report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant))}
     if cfg.adapter:
-        if cfg.merge_adapter:
-            before = _kd_loss(student, cfg.cache, cfg.batch_size) if cfg.cache else None
-            student, report["merge"] = merge_lora_(student)
-            if before is not None:
-                after = _kd_loss(student, cfg.cache, cfg.batch_size)
-                report["merge"].update(kd_kl_before=before["kd_kl"], kd_kl_after=after["kd_kl"],
-                                       kd_soft_ce_before=before["kd_soft_ce"], kd_soft_ce_after=after["kd_soft_ce"])
-        else:
-            student = student.get_base_model()
-            shutil.copytree(cfg.adapter, out / ADAPTER_DIR, dirs_exist_ok=True)
+        student, report["adapter"] = _carry_adapter(cfg, student, out, tokenizer, log)
+    report["bits_per_weight"] = bits_per_weight(student)
+    report["bytes"] = byte_breakdown(student)
     if cfg.format in ("packed", "both"):
         header = save_packed(student, out / PACKED_DIR, get_preset(cfg.quant), tokenizer)
         report["packed"] = {"bits_per_weight": header["bits_per_weight"], "bytes": header["bytes"],
                             "layers": len(header["layers"])}
-    report["bits_per_weight"] = bits_per_weight(student)
     if cfg.format == "gguf":
         teacher_gguf = cfg.model if Path(cfg.model).suffix == ".gguf" else None  # its metadata carry over
         report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student", teacher_gguf)
+    if cfg.format == "compressed-tensors":
+        report["compressed_tensors"] = save_compressed_tensors(student, out / CT_DIR, get_preset(cfg.quant), cfg.quant,
+                                                               tokenizer)
     if cfg.format in ("dense", "both"):
         save_dense(student, out / DENSE_DIR, tokenizer)
+    report["folders"] = {name: FOLDER_HELP[name] for name in FOLDER_HELP if (out / name).exists()}
     atomic_write_json(out / REPORT_FILE, report)
-    summary = {k: v for k, v in report.items() if k != "config"}
+    summary = {k: v for k, v in report.items() if k not in ("config", "folders")}
     if "gguf" in summary:  # per-layer errors stay in export.json; the console gets the totals
         summary["gguf"] = {k: v for k, v in summary["gguf"].items() if k != "layers"}
     log(json.dumps(summary, indent=2))
+    log("\n".join(f"{name}/: {text}" for name, text in report["folders"].items()))
     return report

@@ -114,6 +114,27 @@ def _permute_rows(x: np.ndarray, n_head: int) -> np.ndarray:
     return x[order]
 
 
+def llama_tensor_naming(config):
+    """(gguf_name(key), permuted(key, x)) for a Llama model: llama.cpp's name of a transformers state-dict key
+    (`model.layers.0.self_attn.q_proj.weight` -> `blk.0.attn_q.weight`), and q/k rows reordered for its rope
+    (any [out, ...] array of that layer: weights, their blocks, a LoRA B). Shared with the GGUF LoRA writer."""
+    names = _gguf().get_tensor_name_map(_gguf().MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    heads = {"q_proj": config.num_attention_heads,
+             "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+
+    def gguf_name(key: str) -> str:
+        mapped = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            raise ValueError(f"--format gguf: tensor {key} has no llama.cpp name; use --format packed or dense")
+        return mapped
+
+    def permuted(key: str, x: np.ndarray) -> np.ndarray:
+        head = next((h for proj, h in heads.items() if f".{proj}." in f".{key}"), None)
+        return x if head is None else _permute_rows(x, head)
+
+    return gguf_name, permuted
+
+
 def _rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kind = params.get("rope_type", params.get("type", "default"))
@@ -271,20 +292,7 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
     else:
         _add_llama_metadata(writer, config, name)
         _add_tokenizer(writer, tokenizer, config.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    heads = {"q_proj": config.num_attention_heads,
-             "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-
-    def gguf_name(key: str) -> str:
-        mapped = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        if mapped is None:
-            raise ValueError(f"--format gguf: tensor {key} has no llama.cpp name; use --format packed or dense")
-        return mapped
-
-    def permuted(key: str, x: np.ndarray) -> np.ndarray:
-        head = next((h for proj, h in heads.items() if f".{proj}." in f".{key}"), None)
-        return x if head is None else _permute_rows(x, head)
-
+    gguf_name, permuted = llama_tensor_naming(config)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
     report: dict = {"layers": {}}
     stored_bits = weights = 0  # the quantised linears' bits per weight as stored (Q4_0: 4.5, Q4_K: 4.5, ...)

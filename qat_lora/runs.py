@@ -9,7 +9,8 @@
         best/                  artefacts of the best held-out evaluation
         summary.json           written when the run finishes
         compile_report.json    XLA only: graphs compiled, recompiles, CPU fallbacks
-        tensorboard/           --tensorboard only
+        tensorboard/           --report-to tensorboard (or --tensorboard) only
+        wandb/, wandb_run_id   --report-to wandb only: the wandb run folder, and the id a resumed run reuses
 
 No torch here: `qat-lora plot` reads a run without importing the trainer or any device runtime.
 """
@@ -31,10 +32,11 @@ SUMMARY_FILE = "summary.json"
 COMPILE_REPORT_FILE = "compile_report.json"
 TENSORBOARD_DIR = "tensorboard"
 INIT_REPORT_FILE = "quantize.json"  # what `qat-lora quantize` writes next to its quantizer.safetensors
+WANDB_DIR, WANDB_ID_FILE = "wandb", "wandb_run_id"
 CHECKPOINT_PREFIX = "checkpoint-"
 # Everything a run writes at the top of its folder (checkpoints are matched by CHECKPOINT_PREFIX).
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPTER_DIR, QUANTIZER_FILE, BEST_DIR,
-             TENSORBOARD_DIR)
+             TENSORBOARD_DIR, WANDB_DIR, WANDB_ID_FILE)
 
 
 class RunDiverged(RuntimeError):
@@ -96,34 +98,27 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 class MetricsLog:
-    """The run's metrics: one JSON record per line in `metrics.jsonl`, and optionally TensorBoard scalars.
+    """The run's metrics: one JSON record per line in `metrics.jsonl`, and each record handed to the reporters
+    `--report-to` opened (reporting.py: TensorBoard, wandb).
 
     A resumed run first drops the records after its checkpoint (they are redone, so the file ends as an
-    uninterrupted run's; TensorBoard purges the same steps).
+    uninterrupted run's).
     """
 
-    def __init__(self, path: Path, resumed_step: int, tensorboard_dir: Path | None = None):
+    def __init__(self, path: Path, resumed_step: int, reporters: list | tuple = ()):
         self._file = _open_jsonl(path, resumed_step)
-        self._tensorboard = None
-        if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(tensorboard_dir), purge_step=resumed_step or None)
+        self._reporters = list(reporters)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            group = "eval" if "eval_loss" in record else "train"
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(f"{group}/{key}", value, record["step"])
-            self._tensorboard.flush()
+        for reporter in self._reporters:
+            reporter.write(record)
 
     def close(self) -> None:
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for reporter in self._reporters:
+            reporter.close()
 
 
 def _open_jsonl(path: Path, resumed_step: int):

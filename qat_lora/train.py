@@ -37,6 +37,7 @@ from .distributed import Backend, init_backend
 from .files import atomic_write_json
 from .loss import KDLossConfig, forward_loss
 from .metrics import kd_metrics
+from .reporting import open_reporters
 from .quant import get_preset, quant_config_dict, quantized_weights_once_per_step
 from .student import (build_student, enable_activation_checkpointing_, has_codes, latent_weights, make_trainable_,
                       resolve_attn, save_artifacts, set_storage_dtype_, trainable_parameters)
@@ -348,8 +349,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
     first_step = run.step
     batches = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
                               start=first_step * cfg.accumulation_steps)
-    metrics = runs.MetricsLog(run.out / runs.METRICS_FILE, run.step,
-                              run.out / runs.TENSORBOARD_DIR if cfg.tensorboard else None) if master else None
+    metrics = runs.MetricsLog(run.out / runs.METRICS_FILE, run.step, open_reporters(
+        cfg.report_to, run.out, run.step, asdict(cfg))) if master else None
     progress = tqdm(total=cfg.max_steps, initial=first_step, desc="train", unit="step", disable=not master)
     run.started = started = time.perf_counter()
     clock = {"started": started, "last_time": started, "last_step": first_step}

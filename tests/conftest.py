@@ -89,3 +89,19 @@ def cache_dir(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
                                  top_k=8, value_bits=32, max_tokens=6_000, batch_size=8, holdout_fraction=0.1,
                                  device="cpu"), log=lambda _: None)
     return out
+
+
+def save_random_adapter(model_dir: Path, quant: str, path: Path, r: int = 4, alpha: float = 8.0, seed: int = 0):
+    """A recovery adapter over the `quant` student of `model_dir` whose B is random (stands in for a trained one,
+    whose B is non-zero), saved as PEFT files in `path`; returns the adapted student."""
+    from qat_lora.config import StudentSpec
+    from qat_lora.lora import add_recovery_lora_
+    from qat_lora.student import build_student
+
+    adapted = add_recovery_lora_(build_student(StudentSpec(str(model_dir), quant)), r=r, alpha=alpha)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+    adapted.save_pretrained(str(path))
+    return adapted

@@ -116,7 +116,7 @@ def test_merge_requantises_and_reports_the_error(teacher_dir, tmp_path):
     out = tmp_path / "merged"
     assert main(["export", "--model", str(teacher_dir), "--quant", "w3g32", "--adapter", str(tmp_path / "adapter"),
                  "--merge-adapter", "--format", "packed", "--out", str(out)]) == 0
-    merge = json.loads((out / "export.json").read_text())["merge"]
+    merge = json.loads((out / "export.json").read_text())["adapter"]["merge"]
     assert merge["merged_layers"] == 14 and 0 < merge["requant_rel_error"] < 5
     merged = load_packed(out / "packed")
     ids = _ids(merged)
@@ -135,18 +135,18 @@ def test_merge_report_gives_heldout_kd_loss_of_the_unmerged_and_the_merged_stude
     out = tmp_path / "merged"
     assert main(["export", "--model", str(teacher_dir), "--quant", "w3g32", "--adapter", str(tmp_path / "adapter"),
                  "--merge-adapter", "--cache", str(cache_dir), "--format", "dense", "--out", str(out)]) == 0
-    merge = json.loads((out / "export.json").read_text())["merge"]
-    keys = ("kd_kl_before", "kd_kl_after", "kd_soft_ce_before", "kd_soft_ce_after", "requant_rel_error")
-    assert all(math.isfinite(merge[k]) for k in keys), merge
+    adapter = json.loads((out / "export.json").read_text())["adapter"]
+    merge = adapter["merge"]
+    assert all(math.isfinite(v) for part in ("base", "student") for v in adapter["heldout"][part].values()), adapter
     assert merge["merged_layers"] == 14 and 0 < merge["requant_rel_error"] < 5
     cache, cpu = KDCache(cache_dir), torch.device("cpu")
     unmerged = load_recovery_lora(build_student(StudentSpec(str(teacher_dir), "w3g32")), tmp_path / "adapter").eval()
     before = kd_metrics(unmerged, cache, 4, cpu)  # 4 = ExportConfig.batch_size's default
     after = kd_metrics(load_causal_lm(out / "dense"), cache, 4, cpu)  # the merged export, reloaded
     for name in ("kd_kl", "kd_soft_ce"):
-        assert merge[f"{name}_before"] == pytest.approx(before[name], rel=1e-9, abs=1e-12)
-        assert merge[f"{name}_after"] == pytest.approx(after[name], rel=1e-9, abs=1e-12)
-    assert merge["kd_soft_ce_after"] != merge["kd_soft_ce_before"]  # re-quantisation moved the weights
+        assert adapter["heldout"]["student"][name] == pytest.approx(before[name], rel=1e-9, abs=1e-12)
+        assert merge["merged"][name] == pytest.approx(after[name], rel=1e-9, abs=1e-12)
+    assert merge["merged"]["kd_soft_ce"] != adapter["heldout"]["student"]["kd_soft_ce"]  # re-quantisation moved them
 
 
 def test_qat_quantizer_round_trips_through_export(teacher_dir, tmp_path):
@@ -181,15 +181,15 @@ def test_unmerged_adapter_is_copied_beside_the_base(teacher_dir, tmp_path):
     assert main(["export", "--model", str(teacher_dir), "--quant", "w3g32", "--adapter", str(tmp_path / "adapter"),
                  "--format", "dense", "--out", str(out)]) == 0
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "dense" / "config.json").exists()
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
     assert not (out / "packed").exists()
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(format="onnx"), "--format onnx"), (dict(merge_adapter=True), "--merge-adapter needs --adapter"),
-    (dict(format="gguf", adapter="runs/x/adapter"), "--format gguf cannot carry an unmerged --adapter"),
     (dict(quant="w5"), "unknown quantisation preset"), (dict(model=""), "--model is required"),
     (dict(quantizer="/nonexistent/quantizer.safetensors"), "--quantizer .*no such file"),
-    (dict(cache="caches/kd"), "--cache only feeds the merge report"),
+    (dict(cache="caches/kd"), "--cache needs --adapter"), (dict(merge_fp=True), "--merge-fp needs --adapter"),
 ])
 def test_export_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
