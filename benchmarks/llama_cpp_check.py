@@ -7,6 +7,8 @@ Builds the student (`--quant`, optionally a trained `--quantizer`), writes its G
 the same non-overlapping windows of the held-out text twice: the fp32 fake-quant student (metrics.perplexity)
 and llama.cpp on the file (llama-cpp-python, CPU). Not part of CI: it needs a compiler and ~10 min of build.
 Prints one JSON line: both perplexities, their ratio, and the export's types and bits per weight.
+Not yet run (2026-11-24): the llama.cpp build did not finish within the session on a shared 2-core machine
+(24 of 178 objects after 27 min at nice 19), so no figure from it is in docs/BENCHMARKS.md yet.
 """
 from __future__ import annotations
 
