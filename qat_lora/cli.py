@@ -178,8 +178,9 @@ def _presets(args: argparse.Namespace) -> None:
                 + ("" if cfg.zero_domain == "int" else f", zero point {cfg.zero_domain} (llama.cpp {name.upper()})"))
         if cfg.kquant:  # rows not a multiple of 256 use the fallback preset (QuantConfig.for_width)
             kt = cfg.kquant
-            kind = (f"llama.cpp {kt.ggml_type}, {kt.bits_per_weight} bits/weight, 256-weight super-blocks; "
-                    f"rows not a multiple of 256: {kt.fallback}")
+            kind, group = (f"llama.cpp {kt.ggml_type}, {kt.bits_per_weight} bits/weight",
+                           f"256-weight super-blocks of {kt.sub_block}-weight sub-blocks (rows not a multiple of "
+                           f"256: {kt.fallback})")
         print(f"{name:8s} {kind}, {group}, init {cfg.init}")
 
 

@@ -154,10 +154,12 @@ PRESETS: dict[str, QuantConfig] = {
     "q4_1": QuantConfig(bits=4, group_size=32, zero_domain="float", init="ggml"),
     # K-quants (two-level: the sub-block scales and mins are integers under an fp16 super-block scale, trained
     # through the same STE); bits per weight 2.625, 3.4375, 4.5, 6.5625. Rows not a multiple of 256 fall back.
-    "q2_k": QuantConfig(bits=2, group_size=16, scheme="kquant", init="ggml"),
-    "q3_k": QuantConfig(bits=3, group_size=16, symmetric=True, scheme="kquant", init="ggml"),
-    "q4_k": QuantConfig(bits=4, group_size=32, scheme="kquant", init="ggml"),
-    "q6_k": QuantConfig(bits=6, group_size=16, symmetric=True, scheme="kquant", init="ggml"),
+    # init rtn (min/max) measured better than llama.cpp's search (init="ggml", lower weight MSE): SmolLM2-135M PTQ
+    # ppl q2_k 103.0 vs 135.1, q3_k 19.14 vs 19.25, q6_k 13.61 vs 13.62, q4_k equal (docs/BENCHMARKS.md).
+    "q2_k": QuantConfig(bits=2, group_size=16, scheme="kquant"),
+    "q3_k": QuantConfig(bits=3, group_size=16, symmetric=True, scheme="kquant"),
+    "q4_k": QuantConfig(bits=4, group_size=32, scheme="kquant"),
+    "q6_k": QuantConfig(bits=6, group_size=16, symmetric=True, scheme="kquant"),
     "lut2g32": QuantConfig(bits=2, group_size=32, scheme="lut", init="mse"),  # k-means codebook
     "lut3g64": QuantConfig(bits=3, group_size=64, scheme="lut", init="mse"),
     "lut4g64": QuantConfig(bits=4, group_size=64, scheme="lut", init="mse"),
