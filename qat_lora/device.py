@@ -196,7 +196,9 @@ def compile_metrics() -> dict:
         "uncached_compiles": int(met.counter_value("UncachedCompile") or 0),
         "graph_executions": int((met.metric_data("ExecuteTime") or (0,))[0]),
         "transfers_from_device": int((met.metric_data("TransferFromDeviceTime") or (0,))[0]),
-        "persistent_cache_hits": int(met.counter_value("PersistentCacheHit") or 0),  # graphs loaded from disk
+        # Graphs loaded from the persistent cache, and graphs it did not hold (then compiled and written).
+        "persistent_cache_hits": int(met.counter_value("PersistentCacheHit") or 0),
+        "persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
         "cpu_fallback_ops": sorted(name for name in met.counter_names() if name.startswith("aten::")),
     }
 
