@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -29,8 +30,6 @@ def keep_torch_xla_unloaded() -> None:
     """Before loading a model on a run that has not asked for an XLA device: keep accelerate from importing
     torch_xla, whose import alone warns "Defaulting to PJRT_DEVICE=CPU" and costs seconds. `resolve_device`
     lifts it when an XLA device is asked for later in the same process."""
-    import sys
-
     if "torch_xla" not in sys.modules and "PJRT_DEVICE" not in os.environ:
         os.environ.setdefault(_XLA_OFF, "0")
 
@@ -90,7 +89,6 @@ def tune_host_allocator() -> bool:
     """
     import ctypes
     import ctypes.util
-    import sys
 
     if not sys.platform.startswith("linux") or any(k in os.environ for k in _MALLOC_ENV):
         return False
@@ -174,7 +172,7 @@ def add_step_closure(device: torch.device, fn: Callable[[], None]) -> None:
 
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
-    if xla_available() and "torch_xla" in __import__("sys").modules:
+    if xla_available() and "torch_xla" in sys.modules:
         import torch_xla
 
         torch_xla.manual_seed(seed)
@@ -183,8 +181,6 @@ def seed_everything(seed: int) -> None:
 def compile_metrics() -> dict:
     """XLA counters from torch_xla.debug.metrics: compiles, graph executions, device-to-host transfers, ops that
     fell back to the CPU ({} when torch_xla is not in use)."""
-    import sys
-
     if "torch_xla" not in sys.modules:
         return {}
     import torch_xla.debug.metrics as met
@@ -319,8 +315,12 @@ def device_batches(batches: Iterator[dict[str, torch.Tensor]], device: torch.dev
         return
     import torch_xla.distributed.parallel_loader as pl
 
+    # The loader would cut the graph (torch_xla.sync) before handing out each batch; the trainer cuts it itself,
+    # once per micro-step, and a trainable quantiser's Wq is traced before the first batch of a step is taken
+    # (quant.quantized_weights_once_per_step): a cut there would make it a graph of its own.
+    never_sync = sys.maxsize
     loader = pl.ParallelLoader(map(_narrow_ids, batches), [device], input_sharding=sharding,
-                               loader_prefetch_size=4, device_prefetch_size=2)
+                               batches_per_execution=never_sync, loader_prefetch_size=4, device_prefetch_size=2)
     try:
         yield loader.per_device_loader(device)
     finally:
