@@ -226,9 +226,10 @@ def _restore(run: _Run, path: Path) -> None:
     run.wall_s_before = state.get("wall_s", 0.0)
 
 
-def _stop_agreed(run: _Run, stop: runs.StopSignal) -> bool:
+def _stop_agreed(run: _Run, stop: runs.StopSignal, first_step: int) -> bool:
     """Whether every rank stops after this step (DESIGN §6). Ranks agree at fixed steps only (every --log-steps,
-    every --save-steps, the last), where the host reads the finite flag anyway: one collective and one read
+    every --save-steps, the last, and this process's first, so that the agreement's small XLA graph compiles
+    with the first step's, not later), where the host reads the finite flag anyway: one collective and one read
     there, none in the steps between, and a rank that alone got SIGTERM is joined by the others at the same
     step, before any save collective. A single process stops at once at no cost.
 
@@ -236,7 +237,7 @@ def _stop_agreed(run: _Run, stop: runs.StopSignal) -> bool:
         RunDiverged: some rank's loss or gradient norm is not finite.
     """
     cfg, alone = run.cfg, run.backend.world_size == 1
-    if not (run.step % cfg.log_steps == 0 or run.step == cfg.max_steps
+    if not (run.step % cfg.log_steps == 0 or run.step in (cfg.max_steps, first_step + 1)
             or (cfg.save_steps and run.step % cfg.save_steps == 0)):
         return alone and stop.signum is not None
     stopping, finite = run.backend.agree(stop.signum is not None, run.finite)
@@ -400,7 +401,7 @@ def _loop(run: _Run, batches: Iterator, log: Callable[[str], None]) -> None:
         while run.step < cfg.max_steps:
             totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype)
             run.step += 1
-            stopping = _stop_agreed(run, stop)
+            stopping = _stop_agreed(run, stop, first_step)
             if master and (run.step % cfg.log_steps == 0 or run.step == cfg.max_steps):
                 _log_step(run, totals, grad_norm, metrics, progress, clock)
             progress.update(1)

@@ -74,10 +74,10 @@ def test_sigterm_to_one_gloo_rank_stops_both_at_the_same_step_then_resumes(teach
     assert 0 < step < 150 and step % 4 == 0  # an agreement step
     assert f"stopped by SIGTERM after step {step}" in outputs[0][0]
     calls = [json.loads(c.read_text()) for c in counts]
-    # Both ranks ran exactly `step` steps: one agreement per 4 steps, and besides it one all-reduce per step (the
-    # gradients): no per-step flag reduction or host read.
+    # Both ranks ran exactly `step` steps: one agreement after the first step and one per 4 steps, and besides
+    # them one all-reduce per step (the gradients): no per-step flag reduction or host read.
     for made in calls:
-        assert made == {"agree": step // 4, "all_reduce": step + step // 4}, calls
+        assert made == {"agree": 1 + step // 4, "all_reduce": step + 1 + step // 4}, calls
     _, state = ckpt.load_checkpoint(saved)
     assert state["step"] == step and state["world_size"] == 2
     resumed = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_recovery_lora_multi.py"),
