@@ -131,3 +131,17 @@ def test_evaluation_sums_stay_exact_past_the_float32_integer_range(teacher_dir, 
     for _ in range(batches):
         running += per_batch
     assert running.item() != per_batch * batches
+
+
+def test_the_new_flags_refuse_bad_values_in_one_line(teacher_dir, cache_dir, tmp_path):
+    from qat_lora.device import default_loss_chunk_size
+
+    with pytest.raises(ValueError, match=r"^--matmul-precision 'fast': choose one of default, high, highest$"):
+        _cfg(teacher_dir, cache_dir, tmp_path, matmul_precision="fast")
+    with pytest.raises(ValueError, match=r"^--loss-chunk-size -2: must be -1 \(auto\)"):
+        _cfg(teacher_dir, cache_dir, tmp_path, loss_chunk_size=-2)
+    with pytest.raises(ValueError, match=r"^--precision 'fp16': choose one of auto, fp32, bf16$"):
+        EvalConfig(model=str(teacher_dir), cache=str(cache_dir), precision="fp16")
+    # auto: short chunks where they measured fastest (CPU), few unrolled chunks where the loop is compiled.
+    assert default_loss_chunk_size(torch.device("cpu")) == 128
+    assert default_loss_chunk_size(torch.device("xla")) == default_loss_chunk_size(torch.device("cuda")) == 1024
