@@ -17,6 +17,7 @@ signal number (143, 130): the run is unfinished, and the same command with `--re
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -70,7 +71,6 @@ class _Run:
     finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
     metrics: runs.MetricsLog | None = None  # the master's metrics log
     compiled_by_step_2: int = 0  # XLA graphs compiled by this process's second step
-    chunk_size: int = 0  # positions per lm_head + loss chunk (--loss-chunk-size, auto resolved for the device)
 
 
 def _batch(cfg: TrainConfig, backend: Backend) -> int:
@@ -138,8 +138,7 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     tokens_per_step = _batch(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
     run = _Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device,
-               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device),
-               chunk_size=cfg.loss_chunk_size if cfg.loss_chunk_size >= 0 else dev.default_loss_chunk_size(device))
+               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device))
     if resume_from is not None:
         _restore(run, resume_from)
         log(f"resumed from {resume_from} at step {run.step}")
@@ -251,7 +250,7 @@ def _evaluate(run: _Run, metrics: runs.MetricsLog, amp_dtype) -> None:
     if run.backend.is_master:
         run.model.eval()
         result = kd_metrics(run.model, run.cache, run.cfg.batch_size, run.device, amp_dtype=amp_dtype,
-                            chunk_size=run.chunk_size)  # training's autocast: the loss it reports is training's
+                            chunk_size=run.cfg.loss_chunk_size)  # training's autocast: the loss it reports is training's
         run.model.train()
         result["eval_loss"] = run.cfg.alpha * result["kd_soft_ce"] + (1.0 - run.cfg.alpha) * result["kd_ce"]
         metrics.write({"step": run.step, **result})
@@ -276,7 +275,7 @@ def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dt
         for micro in range(cfg.accumulation_steps):
             batch = next(batches)  # already on the device (dev.device_batches)
             with dev.autocast(run.device, amp_dtype):
-                parts = forward_loss(run.model, batch, loss_cfg, run.chunk_size)
+                parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size)
             (parts["loss"] / cfg.accumulation_steps).backward()
             for key in ("loss", "soft_ce", "kl", "ce"):
                 totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps
@@ -353,11 +352,13 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
     Raises:
         SystemExit: 128 + signal number after SIGTERM/SIGINT, once a checkpoint is saved.
     """
+    device = dev.resolve_device(cfg.device)
+    if cfg.loss_chunk_size < 0:  # auto: config.json and checkpoints record the size that ran, resumes compare it
+        cfg = dataclasses.replace(cfg, loss_chunk_size=dev.default_loss_chunk_size(device))
     finished = _finished_run(cfg, log)
     if finished is not None:
         return finished
     # Set-up: device and collectives, then every input checked before the run folder is touched.
-    device = dev.resolve_device(cfg.device)
     backend = backend or init_backend(device, cfg.dist_timeout_s)
     device = dev.prepare_process(device, backend.local_rank, backend.world_size)
     master = backend.is_master

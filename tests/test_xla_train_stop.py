@@ -2,7 +2,7 @@
 before any save collective, so a SIGTERM that reaches one rank only never deadlocks; the agreement costs one
 collective and one host read at those steps and nothing in the steps between. Tested through gloo ranks of the
 same trainer code (DESIGN §6: XLA:CPU replicas cannot run collectives); plus evaluation under training's
-autocast with exact sums."""
+autocast with exact sums, and the checks of the new flags."""
 from __future__ import annotations
 
 import json
@@ -99,6 +99,8 @@ def test_evaluation_runs_under_the_training_autocast(teacher_dir, cache_dir, tmp
     run = tmp_path / "run"
     train(_cfg(teacher_dir, cache_dir, run, precision="bf16", eval_steps=2), log=lambda _: None)
     [record] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    # --loss-chunk-size auto is recorded as the size that ran (runs from before auto existed resume unchanged).
+    assert json.loads((run / "config.json").read_text())["loss_chunk_size"] == 128
     student = load_student(StudentSpec(str(teacher_dir), "w2g32"), str(run / "best" / "adapter")).eval()
     cache, cpu = KDCache(cache_dir), torch.device("cpu")
     bf16 = kd_metrics(student, cache, 4, cpu, amp_dtype=torch.bfloat16)
