@@ -115,7 +115,8 @@ class TorchDistributedBackend(Backend):
         return [t.cpu() for t in out]
 
     def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
-        flags = torch.stack([torch.tensor(int(stop), device=self._comm), (~finite).to(self._comm, torch.int32)])
+        flags = torch.stack([torch.tensor(int(stop), dtype=torch.int32, device=self._comm),
+                             (~finite).to(self._comm, torch.int32)])
         self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX)
         stopping, diverged = flags.tolist()  # the one host read
         return bool(stopping), not diverged
