@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .data import TextDecoding
-from .device import MATMUL_PRECISIONS
+from .device import MATMUL_PRECISIONS, PRECISIONS
 from .encodings import SampledEncoding, TopKEncoding
 from .loss import KDLossConfig
 from .quant import get_preset
@@ -44,6 +44,11 @@ def _require_non_negative(cfg, *names: str, note: str = "") -> None:
     for name in names:
         if not getattr(cfg, name) >= 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0{note}")
+
+
+def _require_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
 
 
 @dataclass
@@ -152,20 +157,29 @@ class TrainConfig(StudentSpec):
                                                                  "half the memory)"})
     precision: str = field(default="auto", metadata={"help": "auto (bf16 autocast on CUDA and TPU, fp32 on the CPU), "
                                                              "fp32 or bf16"})
-    loss_chunk_size: int = field(default=128, metadata={"help": "positions per lm_head+loss chunk, each chunk's "
-                                                                   "logits freed after its gradient (0 = full logits)"})
+    matmul_precision: str = field(default="default", metadata={
+        "help": "fp32 matmuls: default (the backend's: one bf16 pass on TPU), high (TPU: 3 passes; CUDA: TF32) or "
+                "highest (TPU: 6 passes, ~fp32); recorded in config.json"})
+    loss_chunk_size: int = field(default=-1, metadata={"help": "positions per lm_head+loss chunk, each chunk's "
+                                                                  "logits freed after its gradient (-1 = auto: 128 on "
+                                                                  "the CPU, 1024 on XLA and CUDA; 0 = full logits)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward "
                                                                           "(torch_xla's checkpoint on XLA)"})
     attn_implementation: str = field(default="auto", metadata={"help": "auto (eager on XLA, sdpa elsewhere), eager, sdpa"})
-    xla_cache_dir: str = field(default="", metadata={"help": "persistent XLA compile cache folder (XLA devices only)"})
+    xla_cache_dir: str = field(default="auto", metadata={"help": "persistent XLA compile cache folder (XLA devices "
+                                                               "only): auto (~/.cache/qat-lora/xla), off, or a folder"})
     dist_timeout_s: float = field(default=600.0, metadata={"help": "seconds a rank waits for the others in a "
                                                                "collective (set-up included) before giving up; the "
                                                                "launcher then names the rank that hung"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing run in --out"})
 
     def __post_init__(self) -> None:
-        if self.loss_chunk_size < 0:
-            raise ValueError(f"--loss-chunk-size {self.loss_chunk_size}: must be >= 0 (0 = full logits)")
+        if self.loss_chunk_size < -1:
+            raise ValueError(f"--loss-chunk-size {self.loss_chunk_size}: must be -1 (auto), 0 (full logits) or a "
+                             "number of positions")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"--matmul-precision {self.matmul_precision!r}: choose one of {', '.join(MATMUL_PRECISIONS)}")
+        _require_precision(self.precision)
         _require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps")
         _require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
         _require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", note=" (0 = off)")
@@ -215,6 +229,10 @@ class EvalConfig(TextInput, StudentSpec):
     max_tokens: int = field(default=20_000, metadata={"help": "perplexity token budget (0 = all)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per forward"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+    precision: str = field(default="auto", metadata={"help": "autocast as in training: auto (bf16 on CUDA and TPU, "
+                                                             "fp32 on the CPU), fp32 or bf16"})
+    xla_cache_dir: str = field(default="auto", metadata={"help": "persistent XLA compile cache folder (XLA devices "
+                                                               "only): auto (~/.cache/qat-lora/xla), off, or a folder"})
     json_out: str = field(default="", metadata={"help": "write the results here as JSON"})
 
     def __post_init__(self) -> None:
@@ -224,6 +242,7 @@ class EvalConfig(TextInput, StudentSpec):
         if self.adapter and not self.quant:
             raise ValueError("--adapter needs --quant: it belongs to a quantised student (pass the run's --quant)")
         self.text_decoding()
+        _require_precision(self.precision)
         super().__post_init__()
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from typing import Callable, Sequence
+import sys
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -29,8 +30,6 @@ def keep_torch_xla_unloaded() -> None:
     """Before loading a model on a run that has not asked for an XLA device: keep accelerate from importing
     torch_xla, whose import alone warns "Defaulting to PJRT_DEVICE=CPU" and costs seconds. `resolve_device`
     lifts it when an XLA device is asked for later in the same process."""
-    import sys
-
     if "torch_xla" not in sys.modules and "PJRT_DEVICE" not in os.environ:
         os.environ.setdefault(_XLA_OFF, "0")
 
@@ -90,7 +89,6 @@ def tune_host_allocator() -> bool:
     """
     import ctypes
     import ctypes.util
-    import sys
 
     if not sys.platform.startswith("linux") or any(k in os.environ for k in _MALLOC_ENV):
         return False
@@ -123,6 +121,9 @@ def is_xla(device: torch.device) -> bool:
     return device.type == "xla"
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
 def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
     """The autocast dtype for `precision` ('auto', 'fp32', 'bf16') on `device`; None means no autocast.
 
@@ -133,8 +134,8 @@ def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
         return None
     if precision == "bf16":
         return torch.bfloat16
-    if precision != "auto":
-        raise ValueError(f"--precision {precision!r}: choose auto, fp32 or bf16")
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     if is_xla(device) and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
@@ -171,7 +172,7 @@ def add_step_closure(device: torch.device, fn: Callable[[], None]) -> None:
 
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
-    if xla_available() and "torch_xla" in __import__("sys").modules:
+    if xla_available() and "torch_xla" in sys.modules:
         import torch_xla
 
         torch_xla.manual_seed(seed)
@@ -180,8 +181,6 @@ def seed_everything(seed: int) -> None:
 def compile_metrics() -> dict:
     """XLA counters from torch_xla.debug.metrics: compiles, graph executions, device-to-host transfers, ops that
     fell back to the CPU ({} when torch_xla is not in use)."""
-    import sys
-
     if "torch_xla" not in sys.modules:
         return {}
     import torch_xla.debug.metrics as met
@@ -193,18 +192,53 @@ def compile_metrics() -> dict:
         "uncached_compiles": int(met.counter_value("UncachedCompile") or 0),
         "graph_executions": int((met.metric_data("ExecuteTime") or (0,))[0]),
         "transfers_from_device": int((met.metric_data("TransferFromDeviceTime") or (0,))[0]),
+        # Graphs loaded from the persistent cache, and graphs it did not hold (then compiled and written).
+        "persistent_cache_hits": int(met.counter_value("PersistentCacheHit") or 0),
+        "persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
         "cpu_fallback_ops": sorted(name for name in met.counter_names() if name.startswith("aten::")),
     }
 
 
-def init_xla_cache(path: str, rank: int = 0) -> None:
-    """Persistent XLA compile cache: a rerun (or a resumed run) loads its graphs instead of compiling them.
+XLA_CACHE_AUTO, XLA_CACHE_OFF = "auto", "off"
 
-    Must run before the first compile; only rank 0 writes (replicas compile the same graphs).
+
+def xla_cache_path(setting: str) -> str | None:
+    """The persistent compile cache folder for --xla-cache-dir `setting`: `auto` is
+    $XDG_CACHE_HOME/qat-lora/xla (~/.cache/qat-lora/xla), `off` (or empty) none, anything else that folder."""
+    if setting in ("", XLA_CACHE_OFF):
+        return None
+    if setting == XLA_CACHE_AUTO:
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(root, "qat-lora", "xla")
+    return setting
+
+
+def init_xla_cache(setting: str, local_rank: int = 0) -> str | None:
+    """Persistent XLA compile cache: a rerun, a resumed run or the next command loads its graphs from disk
+    instead of compiling them (minutes on a TPU for a large student). Returns the folder in use, or None.
+
+    torch_xla takes the folder once per process, before the first compile: a second `train()` or `evaluate()`
+    in the same notebook kernel keeps the first one's cache (asking again would fail). Only local rank 0 writes
+    (replicas on a host compile the same graphs; each host of a pod has its own folder).
+
+    Raises:
+        ValueError: the folder cannot be created (names --xla-cache-dir and the way out).
     """
+    import torch_xla
     import torch_xla.runtime as xr
 
-    xr.initialize_cache(path, readonly=rank != 0)
+    path = xla_cache_path(setting)
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():  # this process compiled already
+        return os.environ.get("XLA_PERSISTENT_CACHE_PATH") or None
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--xla-cache-dir {setting}: cannot create {path} ({e.strerror}); pass a writable folder "
+                         f"or --xla-cache-dir {XLA_CACHE_OFF}") from e
+    xr.initialize_cache(path, readonly=local_rank != 0)
+    return path
 
 
 def memory_stats(device: torch.device) -> dict:
@@ -248,6 +282,49 @@ def state_dict_to_cpu(state: dict) -> dict:
     otherwise)."""
     keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
     return {**state, **dict(zip(keys, to_host([state[k] for k in keys])))}
+
+
+# Positions per lm_head + loss chunk when --loss-chunk-size is auto (-1). On the CPU small chunks keep each
+# chunk's logits in cache and measured fastest (docs/BENCHMARKS.md). On XLA the chunk loop is unrolled into the
+# step's graph: B*L/chunk copies of lm_head + loss + its gradient, so compile time and graph size grow with the
+# count; 1024 positions keep the graph short while a chunk's fp32 logits stay small (1024 x 49k x 4 B = 200 MB).
+LOSS_CHUNK_CPU, LOSS_CHUNK_ACCELERATOR = 128, 1024
+
+
+def default_loss_chunk_size(device: torch.device) -> int:
+    """--loss-chunk-size auto on `device`: 128 positions on the CPU, 1024 on XLA and CUDA."""
+    return LOSS_CHUNK_CPU if device.type == "cpu" else LOSS_CHUNK_ACCELERATOR
+
+
+def _narrow_ids(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # int64 ids are emulated on TPU and cost twice the host-to-device bytes; token ids fit in int32.
+    return {k: v.to(torch.int32) if v.dtype == torch.int64 else v for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def device_batches(batches: Iterator[dict[str, torch.Tensor]], device: torch.device, sharding=None):
+    """Yields an iterator of `batches` on `device`.
+
+    On XLA through torch_xla's ParallelLoader (what MpDeviceLoader wraps): background threads copy the next
+    batches to the device while the current step runs, integer ids as int32, each tensor laid out by
+    `sharding` ({name: ShardingSpec}, SPMD) as it is copied. The loader's threads are stopped on exit (a second
+    `train()` in the same process leaves none behind). Elsewhere a plain `.to(device)` per batch.
+    """
+    if not is_xla(device):
+        yield ({k: v.to(device, non_blocking=True) for k, v in b.items()} for b in batches)
+        return
+    import torch_xla.distributed.parallel_loader as pl
+
+    # The loader would cut the graph (torch_xla.sync) before handing out each batch; the trainer cuts it itself,
+    # once per micro-step, and a trainable quantiser's Wq is traced before the first batch of a step is taken
+    # (quant.quantized_weights_once_per_step): a cut there would make it a graph of its own.
+    never_sync = sys.maxsize
+    loader = pl.ParallelLoader(map(_narrow_ids, batches), [device], input_sharding=sharding,
+                               batches_per_execution=never_sync, loader_prefetch_size=4, device_prefetch_size=2)
+    try:
+        yield loader.per_device_loader(device)
+    finally:
+        loader.close()
 
 
 def has_device_generator(device: torch.device) -> bool:

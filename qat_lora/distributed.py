@@ -1,8 +1,9 @@
 """One backend interface for data-parallel training: single process, torch.distributed, torch_xla replicas, SPMD.
 
 The trainer uses `rank`, `world_size`, `local_rank`, `data_parallel`, `is_master`, `reduce_gradients(optimizer)`
-(mean over ranks), `rendezvous(tag)`, `shard_batch(batch)`, `all_gather(tensor)`, `any(flag)`, `shutdown()` and
-`describe()`; which backend plays them is chosen here (DESIGN §6). Starting the processes is launch.py's job.
+(mean over ranks), `rendezvous(tag)`, `input_sharding(dims)`, `all_gather(tensor)`, `agree(stop, finite)`,
+`shutdown()` and `describe()`; which backend plays them is chosen here (DESIGN §6). Starting the processes is
+launch.py's job.
 
 - `Backend`: one process; every collective is a no-op.
 - `TorchDistributedBackend`: NCCL (CUDA) or gloo (CPU) processes, started by `launch.launch_local`
@@ -19,6 +20,8 @@ import os
 from datetime import timedelta
 
 import torch
+
+from . import device as dev
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -42,9 +45,10 @@ class Backend:
     def rendezvous(self, tag: str) -> None:
         """Wait until every rank reaches the point named `tag`."""
 
-    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Lay a device batch out over this process's devices (SPMD); unchanged elsewhere."""
-        return batch
+    def input_sharding(self, dims: dict[str, int]) -> dict | None:
+        """How each batch tensor (name -> number of dims) is laid out over this process's devices as it is
+        copied there (SPMD: split along the batch dimension); None: whole on the one device."""
+        return None
 
     def shard_model_(self, model: torch.nn.Module) -> torch.nn.Module:
         """Lay the placed model's parameters out over this process's devices (FSDP); unchanged elsewhere."""
@@ -54,9 +58,18 @@ class Backend:
         """Every rank's `tensor` (same shape and dtype on all ranks), on the CPU, in rank order."""
         return [tensor.cpu()]
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on some rank (e.g. a stop signal reached only one)."""
-        return flag
+    # Agreement steps are few (trainer: every --log-steps and --save-steps), so a rank that alone received a
+    # stop signal is joined by the others at the same step, before any save collective (no deadlock), and no
+    # step in between pays a collective or a host read for it.
+    def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
+        """(some rank was asked to stop, every rank's run is finite): ONE max-reduction of both flags and ONE
+        host read. Every rank must call it at the same steps.
+
+        Args:
+            stop: this rank received SIGTERM / SIGINT.
+            finite: device bool, every loss and gradient norm of this rank so far was finite.
+        """
+        return stop, bool(dev.to_host([finite])[0])
 
     def shutdown(self) -> None:
         """Release the process group (end of training)."""
@@ -105,10 +118,12 @@ class TorchDistributedBackend(Backend):
         self._dist.all_gather(out, local)
         return [t.cpu() for t in out]
 
-    def any(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], device=self._comm)
-        self._dist.all_reduce(value, op=self._dist.ReduceOp.MAX)
-        return bool(value.item())
+    def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
+        flags = torch.stack([torch.tensor(int(stop), dtype=torch.int32, device=self._comm),
+                             (~finite).to(self._comm, torch.int32)])
+        self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX)
+        stopping, diverged = flags.tolist()  # the one host read
+        return bool(stopping), not diverged
 
     def shutdown(self) -> None:
         self._dist.destroy_process_group()
@@ -143,9 +158,13 @@ class XlaBackend(Backend):
         gathered = self._xm.all_gather(row, dim=0).cpu()
         return [r.to(tensor.dtype).reshape(tensor.shape) for r in gathered]
 
-    def any(self, flag: bool) -> bool:
-        # A TPU preemption signals every host process; agreeing would cost a collective in every step.
-        return flag
+    def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
+        # A preemption signals the hosts at different moments: a rank deciding alone would start the save's
+        # rendezvous while the others enter the next step's all-reduce, and both would wait forever.
+        # int32: narrow integer collectives are not lowered on every TPU generation.
+        flags = torch.stack([torch.tensor(int(stop), dtype=torch.int32).to(finite.device), (~finite).to(torch.int32)])
+        stopping, diverged = dev.to_host([self._xm.all_reduce(self._xm.REDUCE_MAX, flags)])[0].tolist()
+        return bool(stopping), not diverged
 
     def describe(self) -> str:
         return f"torch_xla replicas, rank {self.rank} of {self.world_size}"
@@ -165,10 +184,8 @@ class SpmdBackend(Backend):
         self._xs = xs
         self._mesh = xs.Mesh(np.arange(self.data_parallel), (self.data_parallel,), ("data",))
 
-    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        for tensor in batch.values():
-            self._xs.mark_sharding(tensor, self._mesh, ("data",) + (None,) * (tensor.dim() - 1))
-        return batch
+    def input_sharding(self, dims: dict[str, int]) -> dict:
+        return {name: self._xs.ShardingSpec(self._mesh, ("data",) + (None,) * (n - 1)) for name, n in dims.items()}
 
     def describe(self) -> str:
         return f"XLA SPMD, batch sharded over {self.data_parallel} devices"

@@ -22,17 +22,20 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     if cfg.cache:
         KDCache(cfg.cache)
     device = dev.resolve_device(cfg.device)
+    if dev.is_xla(device):
+        dev.init_xla_cache(cfg.xla_cache_dir)  # no-op when this process compiled already (a notebook's 2nd call)
+    amp_dtype = dev.autocast_dtype(device, cfg.precision)  # training's default autocast: the same loss values
     tokenizer = models.load_tokenizer(cfg.model)
     model = load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)).to(device)
     result: dict = {"model": cfg.model, "quant": cfg.quant or None, "adapter": cfg.adapter or None,
                     "quantizer": cfg.quantizer or None}
     if cfg.text:
         result.update(perplexity(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens or None,
-                                 cfg.batch_size, device, cfg.text_decoding(), progress=True))
+                                 cfg.batch_size, device, cfg.text_decoding(), progress=True, amp_dtype=amp_dtype))
     if cfg.cache:
         cache = KDCache(cfg.cache)
         cache.check_compatible(tokenizer, models.vocab_size(model), models.max_positions(model))
-        result.update(kd_metrics(model, cache, cfg.batch_size, device, progress=True))
+        result.update(kd_metrics(model, cache, cfg.batch_size, device, progress=True, amp_dtype=amp_dtype))
     if cfg.json_out:
         atomic_write_json(cfg.json_out, {**result, "config": asdict(cfg)})
     log(json.dumps(result, indent=2))

@@ -176,11 +176,13 @@ def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: 
 def _flat_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-position targets of a [B, L] batch, flattened to [B*L, ...]."""
     labels, label_mask = next_token_labels(batch["input_ids"], batch["attention_mask"])
-    targets = {"labels": labels.reshape(-1), "label_mask": label_mask.reshape(-1),
+    # Ids may arrive as int32 (device.device_batches); gather and scatter index with int64.
+    targets = {"labels": labels.reshape(-1).long(), "label_mask": label_mask.reshape(-1),
                "kd_mask": batch["attention_mask"].reshape(-1).float()}
     for key in ("topk_ids", "topk_logprobs", "sample_ids", "sample_weights"):
         if key in batch:
-            targets[key] = batch[key].reshape(-1, batch[key].shape[-1])
+            flat = batch[key].reshape(-1, batch[key].shape[-1])
+            targets[key] = flat.long() if key.endswith("_ids") else flat
     return targets
 
 

@@ -17,6 +17,7 @@ signal number (143, 130): the run is unfinished, and the same command with `--re
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -69,6 +70,8 @@ class _Run:
     started: float = 0.0  # perf_counter when this process's loop began
     moved: bool = False  # the student's weights started off the base model's (a --quantizer with codes)
     finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
+    metrics: runs.MetricsLog | None = None  # the master's metrics log
+    compiled_by_step_2: int = 0  # XLA graphs compiled by this process's second step
 
 
 def _batch(cfg: TrainConfig, backend: Backend) -> int:
@@ -165,14 +168,16 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def _check_finite(run: _Run) -> None:
+def _check_finite(run: _Run, finite: bool | None = None) -> None:
     """Stop before anything broken is saved: one host read of the step's finite flag (every rank reads it, so
-    all stop together; on XLA the value exists already after the step's graph ran).
+    all stop together; on XLA the value exists already after the step's graph ran). `finite`: already read.
 
     Raises:
         RunDiverged: naming the step and the last checkpoint saved before it.
     """
-    if run.finite is not None and not bool(run.finite.cpu()):  # a transfer of a computed value, not an op
+    if finite is None:
+        finite = bool(dev.to_host([run.finite])[0])  # a transfer of a computed value, not an op
+    if not finite:
         found = ckpt.list_checkpoints(run.out)
         last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved before it"
         raise runs.RunDiverged(f"training diverged: a loss or gradient norm is not finite at or before step "
@@ -222,12 +227,32 @@ def _restore(run: _Run, path: Path) -> None:
     run.wall_s_before = state.get("wall_s", 0.0)
 
 
-def _evaluate(run: _Run, metrics: runs.MetricsLog) -> None:
+def _stop_agreed(run: _Run, stop: runs.StopSignal, first_step: int) -> bool:
+    """Whether every rank stops after this step (DESIGN §6). Ranks agree at fixed steps only (every --log-steps,
+    every --save-steps, the last, and this process's first, so that the agreement's small XLA graph compiles
+    with the first step's, not later), where the host reads the finite flag anyway: one collective and one read
+    there, none in the steps between, and a rank that alone got SIGTERM is joined by the others at the same
+    step, before any save collective. A single process stops at once at no cost.
+
+    Raises:
+        RunDiverged: some rank's loss or gradient norm is not finite.
+    """
+    cfg, alone = run.cfg, run.backend.world_size == 1
+    if not (run.step % cfg.log_steps == 0 or run.step in (cfg.max_steps, first_step + 1)
+            or (cfg.save_steps and run.step % cfg.save_steps == 0)):
+        return alone and stop.signum is not None
+    stopping, finite = run.backend.agree(stop.signum is not None, run.finite)
+    _check_finite(run, finite)
+    return stopping
+
+
+def _evaluate(run: _Run, metrics: runs.MetricsLog, amp_dtype) -> None:
     """Held-out KD loss and top-1 on the master; a new best is saved to `best/` (by eval loss, not train loss)."""
     _check_finite(run)
     if run.backend.is_master:
         run.model.eval()
-        result = kd_metrics(run.model, run.cache, run.cfg.batch_size, run.device)
+        result = kd_metrics(run.model, run.cache, run.cfg.batch_size, run.device, amp_dtype=amp_dtype,
+                            chunk_size=run.cfg.loss_chunk_size)  # training's autocast: the loss it reports is training's
         run.model.train()
         result["eval_loss"] = run.cfg.alpha * result["kd_soft_ce"] + (1.0 - run.cfg.alpha) * result["kd_ce"]
         metrics.write({"step": run.step, **result})
@@ -250,7 +275,7 @@ def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dt
     cfg, totals = run.cfg, {}
     with quantized_weights_once_per_step(run.model, enabled=cfg.accumulation_steps > 1) as backward_quantizers:
         for micro in range(cfg.accumulation_steps):
-            batch = run.backend.shard_batch({k: v.to(run.device) for k, v in next(batches).items()})
+            batch = next(batches)  # already on the device (dev.device_batches)
             with dev.autocast(run.device, amp_dtype):
                 parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size)
             (parts["loss"] / cfg.accumulation_steps).backward()
@@ -334,56 +359,68 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
     Raises:
         SystemExit: 128 + signal number after SIGTERM/SIGINT, once a checkpoint is saved.
     """
+    device = dev.resolve_device(cfg.device)
+    if cfg.loss_chunk_size < 0:  # auto: config.json and checkpoints record the size that ran, resumes compare it
+        cfg = dataclasses.replace(cfg, loss_chunk_size=dev.default_loss_chunk_size(device))
     finished = _finished_run(cfg, log)
     if finished is not None:
         return finished
     # Set-up: device and collectives, then every input checked before the run folder is touched.
-    device = dev.resolve_device(cfg.device)
     backend = backend or init_backend(device, cfg.dist_timeout_s)
     device = dev.prepare_process(device, backend.local_rank, backend.world_size)
-    if cfg.xla_cache_dir and dev.is_xla(device):
-        dev.init_xla_cache(cfg.xla_cache_dir, backend.rank)
     master = backend.is_master
+    if dev.is_xla(device):
+        xla_cache = dev.init_xla_cache(cfg.xla_cache_dir, backend.local_rank)
+        if master:
+            log(f"persistent XLA compile cache: {xla_cache or 'off'}")
     run = _set_up(cfg, device, backend, log if master else (lambda _: None))
-    loss_cfg, amp_dtype = cfg.loss_config(), dev.autocast_dtype(device, cfg.precision)
+    with dev.matmul_precision(device, cfg.matmul_precision):
+        first_step = run.step
+        data = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
+                               start=first_step * cfg.accumulation_steps)
+        dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
+        with dev.device_batches(data, device, backend.input_sharding(dims)) as batches:
+            _loop(run, batches, log, rerun)
+    # Save: the final artefacts, summary and compile report (master only).
+    dev.sync(device)
+    backend.rendezvous("end")
+    summary = {}
+    if master:
+        run.metrics.close()
+        summary = _finish(run, run.started, first_step, run.compiled_by_step_2, log)
+    backend.shutdown()
+    return summary
+
+
+def _loop(run: _Run, batches: Iterator, log: Callable[[str], None], rerun: str = RERUN) -> None:
+    """Optimizer steps until --max-steps; metrics, evaluation and checkpoints at their intervals; a stop signal
+    ends the process after a checkpoint (SystemExit 128 + signal)."""
+    cfg, backend, master = run.cfg, run.backend, run.backend.is_master
+    loss_cfg, amp_dtype = cfg.loss_config(), dev.autocast_dtype(run.device, cfg.precision)
     first_step = run.step
-    batches = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
-                              start=first_step * cfg.accumulation_steps)
-    metrics = runs.MetricsLog(run.out / runs.METRICS_FILE, run.step, open_reporters(
+    run.metrics = metrics = runs.MetricsLog(run.out / runs.METRICS_FILE, run.step, open_reporters(
         cfg.report_to, run.out, run.step, asdict(cfg))) if master else None
     progress = tqdm(total=cfg.max_steps, initial=first_step, desc="train", unit="step", disable=not master)
     run.started = started = time.perf_counter()
     clock = {"started": started, "last_time": started, "last_step": first_step}
-    compiled_by_step_2 = 0
     backend.rendezvous("start")
     # The loop: one optimizer step per iteration; metrics, evaluation and checkpoints at their intervals.
     with runs.StopSignal() as stop, progress:  # the bar is closed before any error line is printed
         while run.step < cfg.max_steps:
             totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype)
             run.step += 1
-            if run.step % cfg.log_steps == 0 or run.step == cfg.max_steps:
-                _check_finite(run)
+            stopping = _stop_agreed(run, stop, first_step)
             if master and (run.step % cfg.log_steps == 0 or run.step == cfg.max_steps):
                 _log_step(run, totals, grad_norm, metrics, progress, clock)
             progress.update(1)
             if run.step == first_step + 2:
-                compiled_by_step_2 = dev.compile_metrics().get("graphs_compiled", 0)
+                run.compiled_by_step_2 = dev.compile_metrics().get("graphs_compiled", 0)
             if cfg.eval_steps and (run.step % cfg.eval_steps == 0 or run.step == cfg.max_steps):
-                _evaluate(run, metrics)
-            stopping = backend.any(stop.signum is not None)
+                _evaluate(run, metrics, amp_dtype)
             if stopping or (cfg.save_steps and run.step % cfg.save_steps == 0 and run.step < cfg.max_steps):
                 saved = _save_checkpoint(run)
             if stopping:
                 _stop(run, stop.signum, saved, log, rerun)
-    # Save: the final artefacts, summary and compile report (master only).
-    dev.sync(device)
-    backend.rendezvous("end")
-    summary = {}
-    if master:
-        metrics.close()
-        summary = _finish(run, started, first_step, compiled_by_step_2, log)
-    backend.shutdown()
-    return summary
 
 
 def _stop(run: _Run, signum: int | None, saved: Path | None, log: Callable[[str], None], rerun: str) -> None:
