@@ -23,7 +23,7 @@ import torch
 
 from qat_lora import data, models
 from qat_lora.cache_build import build_cache
-from qat_lora.config import CacheBuildConfig
+from qat_lora.config_data import CacheBuildConfig
 from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
 
 ENCODINGS = [TopKEncoding(k, bits) for k in (32, 64, 128) for bits in (32, 16, 8)] + \

@@ -66,7 +66,8 @@ from qat_lora import data, device as dev, models
 from qat_lora.assets import Assets, default_assets_dir
 from qat_lora.cache import MANIFEST, KDCache, inspect_cache
 from qat_lora.cache_build import build_cache
-from qat_lora.config import CacheBuildConfig, QuantizeConfig, StudentSpec, TrainConfig
+from qat_lora.config import QuantizeConfig, StudentSpec, TrainConfig
+from qat_lora.config_data import CacheBuildConfig
 from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
 from qat_lora.export import bits_per_weight
 from qat_lora.files import atomic_write_json

@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.work / "cache" / "manifest.json").exists():
         from qat_lora.cache_build import build_cache
-        from qat_lora.config import CacheBuildConfig
+        from qat_lora.config_data import CacheBuildConfig
 
         tokens = args.seq_len * args.batch_size * 2 * (args.steps + 2)
         build_cache(CacheBuildConfig(teacher=args.teacher, data=[args.text], out=str(args.work / "cache"),

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from . import __version__, data, device as dev, models
 from .cache import MANIFEST, SCHEMA_VERSION
-from .config import CacheBuildConfig
+from .config_data import CacheBuildConfig
 from .files import atomic_write_json, sha256_file
 
 

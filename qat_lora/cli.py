@@ -65,7 +65,7 @@ def _fetch_assets(args: argparse.Namespace) -> None:
 
 
 def _build_cache(args: argparse.Namespace) -> None:
-    from .config import CacheBuildConfig
+    from .config_data import CacheBuildConfig
     from .launch import build_cache_on_chips, chip_rank
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -85,7 +85,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _generate_data(args: argparse.Namespace) -> None:
-    from .config import GenerateDataConfig
+    from .config_data import GenerateDataConfig
     from .self_data import generate_data
 
     generate_data(config_from_args(GenerateDataConfig, args))
@@ -189,8 +189,8 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     the name of the script in scripts/ that runs it, and `defaults` are that script's own defaults (what its
     --help shows)."""
     from . import __version__
-    from .config import (CacheBuildConfig, DemoConfig, EvalConfig, ExportConfig, GenerateConfig,
-                         GenerateDataConfig, QuantizeConfig, RecoverConfig, TrainConfig)
+    from .config import DemoConfig, EvalConfig, ExportConfig, GenerateConfig, QuantizeConfig, RecoverConfig, TrainConfig
+    from .config_data import CacheBuildConfig, GenerateDataConfig
 
     parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"qat-lora {__version__}")

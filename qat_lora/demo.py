@@ -16,7 +16,8 @@ from pathlib import Path
 from . import device as dev
 from .cache import KDCache
 from .cache_build import build_cache
-from .config import CacheBuildConfig, DemoConfig, QuantizeConfig, StudentSpec, TrainConfig
+from .config import DemoConfig, QuantizeConfig, StudentSpec, TrainConfig
+from .config_data import CacheBuildConfig
 from .files import atomic_write_json
 from .metrics import kd_metrics, perplexity
 from .models import load_tokenizer

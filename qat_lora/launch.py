@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import device as dev
-from .config import CacheBuildConfig, TrainConfig, to_argv
+from .config import TrainConfig, to_argv
+from .config_data import CacheBuildConfig
 
 
 def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:

@@ -25,7 +25,8 @@ from typing import Callable, Iterator
 import torch
 
 from . import data, device as dev, models
-from .config import GenerateDataConfig, field_defaults
+from .config import field_defaults
+from .config_data import GenerateDataConfig
 from .files import atomic_write_json
 
 REPORT_FILE = "generate.json"

@@ -82,7 +82,7 @@ def qwen3_dir(tmp_path_factory, tokenizer) -> Path:
 def cache_dir(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
     """A top-8 fp32 KD cache of the tiny teacher (L = 32, ~6 k tokens, 10 % of documents held out)."""
     from qat_lora.cache_build import build_cache
-    from qat_lora.config import CacheBuildConfig
+    from qat_lora.config_data import CacheBuildConfig
 
     out = tmp_path_factory.mktemp("cache")
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=32,

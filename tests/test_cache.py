@@ -18,7 +18,7 @@ import torch
 
 from qat_lora.cache import KDCache, inspect_cache, verify_cache
 from qat_lora.cache_build import build_cache, merge_manifests
-from qat_lora.config import CacheBuildConfig
+from qat_lora.config_data import CacheBuildConfig
 from qat_lora.cli import main
 from qat_lora.encodings import DELTA_STEP, SampledEncoding, TopKEncoding, encode_rows, pack_bits, unpack_bits
 

@@ -10,7 +10,8 @@ from safetensors.numpy import load_file
 
 from qat_lora.cache import KDCache, batch_order
 from qat_lora.cache_build import build_cache
-from qat_lora.config import CacheBuildConfig, EvalConfig, TrainConfig
+from qat_lora.config import EvalConfig, TrainConfig
+from qat_lora.config_data import CacheBuildConfig
 from qat_lora.cli import main
 from qat_lora.data import pack
 from qat_lora.evaluate import evaluate

@@ -298,7 +298,8 @@ def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, 
     import json
 
     from qat_lora.cache_build import build_cache
-    from qat_lora.config import CacheBuildConfig, TrainConfig
+    from qat_lora.config import TrainConfig
+    from qat_lora.config_data import CacheBuildConfig
     from qat_lora.train import train
 
     teacher_tok = type(tokenizer).from_pretrained(str(wide_dir))

@@ -9,7 +9,7 @@ import torch
 
 from qat_lora.cache import KDCache
 from qat_lora.cli import main
-from qat_lora.config import GenerateDataConfig
+from qat_lora.config_data import GenerateDataConfig
 from qat_lora.data import list_text_files
 from qat_lora.self_data import corpus_prompts, generate_data
 

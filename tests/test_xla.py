@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qat_lora.cache_build import build_cache
-from qat_lora.config import CacheBuildConfig
+from qat_lora.config_data import CacheBuildConfig
 
 if importlib.util.find_spec("torch_xla") is None:
     if os.environ.get("CI"):

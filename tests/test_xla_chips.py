@@ -59,7 +59,7 @@ def test_num_chips_zero_is_the_default_and_negative_is_refused(tmp_path):
 
 
 def test_build_cache_num_chips_is_a_count_and_leaves_the_resume_fingerprint_alone():
-    from qat_lora.config import CacheBuildConfig
+    from qat_lora.config_data import CacheBuildConfig
 
     with pytest.raises(ValueError, match=r"^--num-chips -1: must be >= 0"):
         CacheBuildConfig(teacher="t", data=["d"], num_chips=-1)

@@ -21,7 +21,7 @@ import torch
 
 from qat_lora.cache import KDCache
 from qat_lora.cache_build import build_cache
-from qat_lora.config import CacheBuildConfig
+from qat_lora.config_data import CacheBuildConfig
 
 if importlib.util.find_spec("torch_xla") is None:
     if os.environ.get("CI"):

@@ -19,7 +19,7 @@ import torch
 
 from qat_lora.cache import KDCache
 from qat_lora.cache_build import build_cache
-from qat_lora.config import CacheBuildConfig
+from qat_lora.config_data import CacheBuildConfig
 
 if importlib.util.find_spec("torch_xla") is None:
     if os.environ.get("CI"):
@@ -41,7 +41,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from qat_lora import device as dev
 from qat_lora.cache_build import build_cache
-from qat_lora.config import CacheBuildConfig
+from qat_lora.config_data import CacheBuildConfig
 
 teacher, corpus, out = sys.argv[1:4]
 cases = {"short": dict(max_tokens=1000), "long": dict(max_tokens=2500),

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 from qat_lora.cache import KDCache, verify_cache
 from qat_lora.cache_build import build_cache
 from qat_lora.cli import main
-from qat_lora.config import CacheBuildConfig
+from qat_lora.config_data import CacheBuildConfig
 from qat_lora.files import sha256_file
 
 
