@@ -16,7 +16,7 @@ from qat_lora.export_ct import pack_int32
 from qat_lora.quant import FakeQuantLinear
 from qat_lora.student import build_student
 
-pytest.importorskip("compressed_tensors", reason="the `ct` extra: pip install 'qat-lora[ct]'")
+# compressed_tensors itself comes with the `dev` (and `ct`) extra; the loads below run in fresh processes.
 
 # Runs without qat_lora: transformers' own compressed-tensors integration, weights decompressed at load.
 CT_LOAD = """
