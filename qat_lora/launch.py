@@ -162,7 +162,7 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
             os.environ.update(PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), CPU_NUM_DEVICES="1")
         log(f"building on {chips} local processes")
         cmd = [sys.executable, "-m", "qat_lora.cli", "build-cache", *to_argv(one)]
-        code = exit_code(launch_local(cmd, chips, log=log))
+        code = launch_local(cmd, chips, log=log).exit_code()
         if code:
             raise ValueError(f"--num-chips {chips}: a builder exited with {code} (its error is above); rerun with "
                              "--resume to continue after the shards already written")

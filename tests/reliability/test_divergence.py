@@ -46,7 +46,7 @@ def test_nan_loss_stops_the_run_keeping_the_last_good_checkpoint(nan_from_step, 
 
 
 def test_nan_is_caught_at_the_next_log_step_without_checkpoints(nan_from_step, teacher_dir, cache_dir, tmp_path):
-    nan_from_step["from"] = 1
+    nan_from_step["from"] = 2  # after step 1 (where ranks also agree), the next check is the step-4 log step
     with pytest.raises(RunDiverged, match="at or before step 4; no checkpoint was saved before it"):
         train_module.train(_cfg(teacher_dir, cache_dir, tmp_path / "run", save_steps=0), log=lambda _: None)
 

@@ -34,7 +34,7 @@ BAD_VALUES = [
     (TRAIN + ["--min-lr-ratio", "0"], "--min-lr-ratio 0.0: must be in (0, 1]"),
     (TRAIN + ["--preset", "lora"], "--preset 'lora': choose one of"),
     (TRAIN + ["--device", "gpu"], "--device 'gpu': choose one of"),
-    (TRAIN + ["--num-chips", "0"], "--num-chips 0: must be positive"),
+    (TRAIN + ["--num-chips", "-1"], "--num-chips -1: must be >= 0"),
     (TRAIN + ["--resume", "auto", "--overwrite"], "--resume and --overwrite exclude each other"),
     (TRAIN + ["--quant", "w5"], "unknown quantisation preset"),
     (BUILD + ["--seq-len", "0"], "--seq-len 0: must be positive"),
