@@ -19,8 +19,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     """Run the metrics `cfg` asks for; returns (and optionally writes) a JSON-ready dict."""
     if cfg.text:
         data.list_text_files(cfg.text, "--text")  # a typo in --text fails before the model loads
-    if cfg.cache:
-        KDCache(cfg.cache)
+    cache = KDCache(cfg.cache) if cfg.cache else None  # a bad cache fails before the model loads, too
     device = dev.resolve_device(cfg.device)
     if dev.is_xla(device):
         dev.init_xla_cache(cfg.xla_cache_dir)  # no-op when this process compiled already (a notebook's 2nd call)
@@ -32,8 +31,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     if cfg.text:
         result.update(perplexity(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens or None,
                                  cfg.batch_size, device, cfg.text_decoding(), progress=True, amp_dtype=amp_dtype))
-    if cfg.cache:
-        cache = KDCache(cfg.cache)
+    if cache is not None:
         cache.check_compatible(tokenizer, models.vocab_size(model), models.max_positions(model))
         result.update(kd_metrics(model, cache, cfg.batch_size, device, progress=True, amp_dtype=amp_dtype))
     if cfg.json_out:
