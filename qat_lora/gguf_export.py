@@ -11,10 +11,11 @@ sub-block scales and mins and fp16 super-block scales (gguf_kquant.py), so gguf'
 student's Wq bit for bit; any other grid is re-quantised (to Q4_1 keeping the codes for 4-bit int groups of
 32, else to Q8_0 by gguf's quantiser) and the summary reports each layer's relative error. Every layer is
 checked by dequantising what was written. Metadata: copied from the teacher's GGUF when the model came from
-one (the quantisation keys are ours); otherwise as llama.cpp's convert_hf_to_gguf writes them for Llama-family
-models: llama.* hyper-parameters, a gpt2-style BPE vocabulary with its pre-tokenizer name, q/k rows permuted
-the way llama.cpp's rotary embedding expects;
-1-D tensors (norms, biases) F32, other full-precision matrices (embeddings, head) F16.
+one (the quantisation keys are ours); otherwise as llama.cpp's convert_hf_to_gguf writes them for Llama- and
+Qwen-family models (GGUF_ARCHITECTURES): `<arch>.*` hyper-parameters, a gpt2-style BPE vocabulary with its
+pre-tokenizer name, and for Llama q/k rows permuted the way llama.cpp's rotary embedding expects (Qwen2/Qwen3 use
+the NEOX rope, whose pairs are transformers' own, so their rows stay; their q/k/v biases and q/k norms are written
+under llama.cpp's names); 1-D tensors (norms, biases) F32, other full-precision matrices (embeddings, head) F16.
 """
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ from .quant_init import snap_fp16
 
 GGUF_DIR, GGUF_FILE = "gguf", "model.gguf"
 BLOCK = 32  # weights per block of Q8_0 / Q4_0 / Q4_1
+
+# transformers model_type -> (llama.cpp architecture, q/k rows permuted). llama.cpp's Llama rope pairs neighbouring
+# dimensions, so its converter reorders q/k rows; Qwen2 and Qwen3 run the NEOX rope (halves paired, as in
+# transformers), so theirs stay.
+GGUF_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 
 
 def _gguf():
@@ -114,13 +120,30 @@ def _permute_rows(x: np.ndarray, n_head: int) -> np.ndarray:
     return x[order]
 
 
-def llama_tensor_naming(config):
-    """(gguf_name(key), permuted(key, x)) for a Llama model: llama.cpp's name of a transformers state-dict key
-    (`model.layers.0.self_attn.q_proj.weight` -> `blk.0.attn_q.weight`), and q/k rows reordered for its rope
-    (any [out, ...] array of that layer: weights, their blocks, a LoRA B). Shared with the GGUF LoRA writer."""
-    names = _gguf().get_tensor_name_map(_gguf().MODEL_ARCH.LLAMA, config.num_hidden_layers)
+def gguf_architecture(config) -> tuple[str, bool]:
+    """(llama.cpp architecture name, q/k rows permuted) of a transformers config.
+
+    Raises:
+        ValueError: a model type without a llama.cpp layout here, or a Qwen2 with sliding-window attention.
+    """
+    if config.model_type not in GGUF_ARCHITECTURES:
+        raise ValueError(f"--format gguf: model_type {config.model_type!r} is not written yet (only "
+                         f"{', '.join(GGUF_ARCHITECTURES)}); use --format packed, dense or compressed-tensors")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("--format gguf: sliding-window attention is not in llama.cpp's qwen2 graph; use --format "
+                         "packed, dense or compressed-tensors")
+    return GGUF_ARCHITECTURES[config.model_type]
+
+
+def tensor_naming(config):
+    """(gguf_name(key), permuted(key, x)): llama.cpp's name of a transformers state-dict key
+    (`model.layers.0.self_attn.q_proj.weight` -> `blk.0.attn_q.weight`), and, for Llama, q/k rows reordered for
+    its rope (any [out, ...] array of that layer: weights, their blocks, biases, a LoRA B). Shared with the GGUF
+    LoRA writer."""
+    arch, permute = gguf_architecture(config)
+    names = _gguf().get_tensor_name_map(getattr(_gguf().MODEL_ARCH, arch.upper()), config.num_hidden_layers)
     heads = {"q_proj": config.num_attention_heads,
-             "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+             "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads} if permute else {}
 
     def gguf_name(key: str) -> str:
         mapped = names.get_name(key, try_suffixes=(".weight", ".bias"))
@@ -144,8 +167,10 @@ def _rope_theta(config) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-def _add_llama_metadata(writer, config, name: str) -> int:
-    """llama.* hyper-parameters as convert_hf_to_gguf writes them for Llama-family models; returns head_dim."""
+def _add_metadata(writer, config, name: str) -> None:
+    """`<arch>.*` hyper-parameters as convert_hf_to_gguf writes them: the common set, Llama's vocab size and rope
+    dimensions, and the head size where the config states one llama.cpp would not derive (Qwen3 always)."""
+    arch, _ = gguf_architecture(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_name(name)
@@ -157,17 +182,18 @@ def _add_llama_metadata(writer, config, name: str) -> int:
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // heads:  # llama.cpp derives it otherwise
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // heads or arch == "qwen3":  # llama.cpp derives it otherwise
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    return head_dim
 
 
 def pre_tokenizer_name(tokenizer) -> str:
     """llama.cpp's name for the tokenizer's pre-tokenizer (tokenizer.ggml.pre), read from its definition:
-    byte-level with GPT-2's regex is `gpt-2`; single digits split first, then that, is `smollm`.
+    byte-level with GPT-2's regex is `gpt-2`; single digits split first, then that, is `smollm`; Qwen2's split
+    regex, then byte-level without its own regex, is `qwen2` (Qwen2, Qwen2.5, Qwen3).
 
     Raises:
         ValueError: any other pre-tokenizer (llama.cpp would split the text differently).
@@ -181,8 +207,13 @@ def pre_tokenizer_name(tokenizer) -> str:
         return "gpt-2"
     if byte_level and kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
         return "smollm"
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True) and \
+            steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT
+        if (steps[0].get("pattern") or {}).get("Regex") == QWEN2_SPLIT:
+            return "qwen2"
     raise ValueError(f"--format gguf: pre-tokenizer {kinds} has no llama.cpp equivalent written yet (byte-level BPE "
-                     "as GPT-2 or SmolLM only); use --format packed or dense")
+                     "as GPT-2, SmolLM or Qwen2 only); use --format packed or dense")
 
 
 def _add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
@@ -231,15 +262,17 @@ def _copy_teacher_metadata(writer, path: str | Path, config) -> None:
     the container's and OWN_KEYS, which this export writes itself.
 
     Raises:
-        ValueError: the file is no llama GGUF of this model's depth.
+        ValueError: the file is no GGUF of this model's architecture and depth.
     """
     gguf = _gguf()
+    expected, _ = gguf_architecture(config)
     fields = gguf.GGUFReader(str(path)).fields
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
     blocks = fields.get(f"{arch}.block_count")
-    if arch != "llama" or blocks is None or int(blocks.contents()) != config.num_hidden_layers:
+    if arch != expected or blocks is None or int(blocks.contents()) != config.num_hidden_layers:
         raise ValueError(f"{path}: a {arch} GGUF with {None if blocks is None else blocks.contents()} blocks, not the "
-                         f"llama model of {config.num_hidden_layers} blocks being exported; pass the GGUF it came from")
+                         f"{expected} model of {config.num_hidden_layers} blocks being exported; pass the GGUF it "
+                         "came from")
     for key, field in fields.items():
         if key.startswith("GGUF.") or key in OWN_KEYS:
             continue
@@ -268,7 +301,7 @@ def _check(written: np.ndarray, qtype: str, expected: torch.Tensor) -> tuple[boo
 @torch.no_grad()
 def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "student",
               teacher_gguf: str | Path | None = None) -> dict:
-    """Write `out_dir/model.gguf` for a fake-quant Llama student (no PEFT wrapper); atomic (temporary name,
+    """Write `out_dir/model.gguf` for a fake-quant Llama, Qwen2 or Qwen3 student (no PEFT wrapper); atomic (temporary name,
     then rename). With `teacher_gguf` (the .gguf the model was loaded from) its metadata are copied (tokenizer,
     chat template, hyper-parameters), and only the quantisation keys are this export's own.
 
@@ -276,23 +309,21 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
         {"file", "bytes", "file_type", "types": {type: count}, "exact_layers", "bits_per_weight", "max_rel_error",
          "layers": {name: {"type", "exact" (gguf dequantises to Wq bit for bit), "rel_error": ||deq - Wq|| / ||Wq||}}}.
     Raises:
-        ValueError: not a Llama model, rope scaling, a tokenizer llama.cpp would split differently, no gguf.
+        ValueError: another architecture, rope scaling, a tokenizer llama.cpp would split differently, no gguf.
     """
     gguf = _gguf()
     config = model.config
-    if config.model_type != "llama":
-        raise ValueError(f"--format gguf: model_type {config.model_type!r} is not written yet (llama only); use "
-                         "--format packed or dense")
+    arch, _ = gguf_architecture(config)
+    gguf_name, permuted = tensor_naming(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path, tmp = out_dir / GGUF_FILE, out_dir / (GGUF_FILE + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(tmp), arch)
     if teacher_gguf:
         _copy_teacher_metadata(writer, teacher_gguf, config)
     else:
-        _add_llama_metadata(writer, config, name)
+        _add_metadata(writer, config, name)
         _add_tokenizer(writer, tokenizer, config.vocab_size)
-    gguf_name, permuted = llama_tensor_naming(config)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
     report: dict = {"layers": {}}
     stored_bits = weights = 0  # the quantised linears' bits per weight as stored (Q4_0: 4.5, Q4_K: 4.5, ...)

@@ -7,7 +7,7 @@
 Written as llama.cpp's convert_lora_to_gguf lays it out: general.type "adapter", adapter.type "lora",
 adapter.lora.alpha; per adapted linear `<base tensor name>.lora_a` (A, [r, in]) and `.lora_b` (B, [out, r]) in
 F32, where llama.cpp adds (alpha / r) * B @ A x. The base's names and q/k row order come from gguf_export's
-`llama_tensor_naming`, so B's rows follow the permuted rows of the base weight they adapt.
+`tensor_naming`, so B's rows (for Llama) follow the permuted rows of the base weight they adapt.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gguf_export import _gguf, llama_tensor_naming
+from .gguf_export import _gguf, gguf_architecture, tensor_naming
 
 ADAPTER_FILE = "adapter.gguf"
 
@@ -38,19 +38,17 @@ def _adapted_linears(peft_model):
 
 @torch.no_grad()
 def save_gguf_lora(peft_model, out_dir: str | Path, name: str = "recovery-lora") -> dict:
-    """Write `out_dir/adapter.gguf` for a Llama PEFT LoRA model; atomic (temporary name, then rename).
+    """Write `out_dir/adapter.gguf` for a Llama, Qwen2 or Qwen3 PEFT LoRA model; atomic (temporary name, then rename).
 
     Returns:
         {"file", "bytes", "alpha", "rank", "tensors"}.
     Raises:
-        ValueError: not a Llama model, no adapted linear, or layers with different alpha / r (llama.cpp stores one).
+        ValueError: an architecture the GGUF base cannot have, no adapted linear, or layers with different alpha / r (llama.cpp stores one).
     """
     gguf = _gguf()
     config = peft_model.get_base_model().config
-    if config.model_type != "llama":
-        raise ValueError(f"--format gguf: model_type {config.model_type!r} is not written yet (llama only); use "
-                         "--format packed, dense or compressed-tensors with the PEFT adapter/")
-    gguf_name, permuted = llama_tensor_naming(config)
+    arch, _ = gguf_architecture(config)
+    gguf_name, permuted = tensor_naming(config)
     layers = list(_adapted_linears(peft_model))
     if not layers:
         raise ValueError("--adapter: no LoRA layer found; pass a run's adapter/ folder")
@@ -61,7 +59,7 @@ def save_gguf_lora(peft_model, out_dir: str | Path, name: str = "recovery-lora")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path, tmp = out_dir / ADAPTER_FILE, out_dir / (ADAPTER_FILE + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_name(name)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")

@@ -26,12 +26,19 @@ def synthetic_text(num_docs: int, seed: int = 0) -> str:
     return "\n\n".join(docs) + "\n"
 
 
-def make_tokenizer(text: str):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+def make_tokenizer(text: str, split: str = "gpt-2"):
+    """A byte-level BPE of ~300 tokens; `split` "gpt-2" (GPT-2's regex) or "qwen2" (Qwen2's regex, then byte-level
+    without one, as Qwen2/Qwen3's tokenizer.json)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split == "qwen2":
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -39,15 +46,18 @@ def make_tokenizer(text: str):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def make_model_dir(path: Path, tokenizer, arch: str = "llama", seed: int = 0, init_std: float = 0.08) -> Path:
-    """Save a 2-layer random model (Llama or Qwen3) and its tokenizer as a transformers folder."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+def make_model_dir(path: Path, tokenizer, arch: str = "llama", seed: int = 0, init_std: float = 0.08,
+                   head_dim: int = 16) -> Path:
+    """Save a 2-layer random model (Llama, Qwen2 with q/k/v biases, or Qwen3 with `head_dim`) and its tokenizer as a
+    transformers folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   initializer_range=init_std, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    config = Qwen3Config(head_dim=16, **common) if arch == "qwen3" else LlamaConfig(**common)
+    config = {"qwen3": lambda: Qwen3Config(head_dim=head_dim, **common), "qwen2": lambda: Qwen2Config(**common),
+              "llama": lambda: LlamaConfig(**common)}[arch]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)

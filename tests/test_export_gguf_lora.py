@@ -8,7 +8,7 @@ import pytest
 from conftest import save_random_adapter
 from qat_lora.cli import main
 from qat_lora.config import StudentSpec
-from qat_lora.gguf_export import llama_tensor_naming
+from qat_lora.gguf_export import tensor_naming
 from qat_lora.student import load_student
 
 gguf = pytest.importorskip("gguf")
@@ -18,19 +18,21 @@ def _field(reader, key):
     return reader.fields[key].contents()
 
 
-def test_gguf_adapter_round_trips_and_rebuilds_the_adapted_weights(teacher_dir, tmp_path):
+@pytest.mark.parametrize("model", ["teacher_dir", "qwen3_dir"])
+def test_gguf_adapter_round_trips_and_rebuilds_the_adapted_weights(model, request, tmp_path):
+    teacher_dir = request.getfixturevalue(model)
     save_random_adapter(teacher_dir, "q4_0", tmp_path / "run-adapter", r=4, alpha=12.0, seed=2)
     out = tmp_path / "x"
     assert main(["export", "--model", str(teacher_dir), "--quant", "q4_0", "--adapter", str(tmp_path / "run-adapter"),
                  "--format", "gguf", "--out", str(out)]) == 0
     lora = gguf.GGUFReader(str(out / "gguf" / "adapter.gguf"))
     assert _field(lora, "general.type") == "adapter" and _field(lora, "adapter.type") == "lora"
-    assert _field(lora, "general.architecture") == "llama"
+    assert _field(lora, "general.architecture") == {"teacher_dir": "llama", "qwen3_dir": "qwen3"}[model]
     assert _field(lora, "adapter.lora.alpha") == pytest.approx(12.0)
     tensors = {t.name: np.array(t.data) for t in lora.tensors}
     base = {t.name: t for t in gguf.GGUFReader(str(out / "gguf" / "model.gguf")).tensors}
     student = load_student(StudentSpec(str(teacher_dir), "q4_0"), str(tmp_path / "run-adapter"))
-    gguf_name, permuted = llama_tensor_naming(student.get_base_model().config)
+    gguf_name, permuted = tensor_naming(student.get_base_model().config)
     wrapped = {n.removeprefix("base_model.model."): m for n, m in student.named_modules() if hasattr(m, "lora_A")
                and hasattr(m, "base_layer")}
     assert len(tensors) == 2 * len(wrapped) == 28

@@ -113,11 +113,71 @@ def test_cli_writes_the_gguf_and_reports_every_layer(teacher_dir, tmp_path):
     assert sorted(p.name for p in (out / "gguf").iterdir()) == [GGUF_FILE]  # no temporary left
 
 
+@pytest.fixture(scope="module")
+def qwen_tokenizer(corpus_dir):
+    from conftest import make_tokenizer
+    return make_tokenizer((corpus_dir / "a.txt").read_text(), split="qwen2")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_family_gguf_follows_llama_cpps_converter(arch, qwen_tokenizer, tmp_path):
+    # Qwen2 / Qwen3 as convert_hf_to_gguf writes them: `<arch>.*` keys, the "qwen2" pre-tokenizer, q/k rows NOT
+    # permuted (NEOX rope), q/k/v biases (Qwen2) and q/k norms (Qwen3) under llama.cpp's names; transformers loads
+    # the file with the student's logits and tokenizes as the original.
+    from conftest import make_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # head_dim 128 (4 heads over a width of 64): transformers' GGUF loader ignores qwen3.attention.key_length and
+    # takes Qwen3Config's default of 128, as every released Qwen3 has; llama.cpp reads the key.
+    model_dir = make_model_dir(tmp_path / "m", qwen_tokenizer, arch, seed=3, init_std=0.25, head_dim=128)
+    student = _trained_student(model_dir, "q4_0", attn_implementation="eager")
+    report = save_gguf(student, tmp_path / "g", qwen_tokenizer)
+    assert report["exact_layers"] == 14
+    reader = gguf.GGUFReader(str(tmp_path / "g" / GGUF_FILE))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert fields["general.architecture"] == arch and fields["tokenizer.ggml.pre"] == "qwen2"
+    assert fields[f"{arch}.block_count"] == 2 and fields[f"{arch}.attention.head_count_kv"] == 2
+    assert not any(k.startswith("llama.") for k in fields)
+    assert fields.get(f"{arch}.attention.key_length") == (128 if arch == "qwen3" else None)  # Qwen3 states it
+    tensors = {t.name: t for t in reader.tensors}
+    q = student.model.layers[0].self_attn.q_proj
+    t = tensors["blk.0.attn_q.weight"]
+    deq = gguf.quants.dequantize(t.data, t.tensor_type).reshape(q.out_features, q.in_features)
+    assert torch.equal(torch.from_numpy(np.ascontiguousarray(deq)), q.quantized_weight().float())  # rows as-is
+    attn = student.model.layers[1].self_attn
+    extra = ("blk.1.attn_k.bias", attn.k_proj.bias) if arch == "qwen2" else ("blk.1.attn_k_norm.weight",
+                                                                              attn.k_norm.weight)
+    assert tensors[extra[0]].tensor_type == gguf.GGMLQuantizationType.F32
+    assert np.array_equal(np.array(tensors[extra[0]].data), extra[1].detach().numpy())
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "g"), gguf_file=GGUF_FILE, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    assert loaded.config.model_type == arch
+    ids = torch.randint(0, student.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for p in (student.model.embed_tokens.weight, student.lm_head.weight):
+            p.copy_(snap_fp16(p))  # stored F16, as llama.cpp's converter does
+        torch.testing.assert_close(loaded(input_ids=ids).logits, student(input_ids=ids).logits, rtol=0, atol=1e-5)
+    text = "The king 123 sees <|endoftext|> a   river.\n\nNew  4567"
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "g"), gguf_file=GGUF_FILE)(text)["input_ids"] == \
+        qwen_tokenizer(text)["input_ids"]
+
+
+def _phi3_dir(path, tokenizer):
+    from transformers import AutoModelForCausalLM, Phi3Config
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.mark.parametrize("model,extra,match", [
-    ("qwen3_dir", [], "model_type 'qwen3' is not written yet"),
+    ("phi3", [], "model_type 'phi3' is not written yet (only llama, qwen2, qwen3)"),
 ])
-def test_cli_refuses_bad_gguf_combinations_in_one_line(model, extra, match, request, tmp_path, capsys):
-    model_dir = request.getfixturevalue(model)
+def test_cli_refuses_bad_gguf_combinations_in_one_line(model, extra, match, tokenizer, tmp_path, capsys):
+    model_dir = _phi3_dir(tmp_path / "phi3", tokenizer)
     code = main(["export", "--model", str(model_dir), "--quant", "q8_0", "--format", "gguf",
                  "--out", str(tmp_path / "x"), *extra])
     err = capsys.readouterr().err.strip()
