@@ -13,6 +13,12 @@ gradients (Esser et al., 2020). Optional low-rank scales multiply the group scal
 (A: [out, r], B: [r, in]; Apple/Anemll style) without running r matmuls. Scales, codebooks and low-rank
 factors are always used at fp16 precision (snapped with an STE), which is what the export stores: dequantising
 the export therefore reproduces the training-time Wq bit for bit.
+
+A layer whose latent weight was loaded from integer codes (a GPTQ, block-wise or weight-qat start) sits exactly on
+its grid, where LSQ's scale gradient round(W/s) - W/s is identically 0 and, once s moves, takes the sign of
+s - s0: it cannot train. Such a layer has `hold_codes` set: the round's argument sees the quantiser parameters
+detached, so they get the forward's exact derivative with the codes held (d Wq / d s = q - z), and the latent
+weight keeps its straight-through gradient.
 """
 from __future__ import annotations
 
@@ -57,12 +63,13 @@ def _zero_point(zero: torch.Tensor, zero_domain: str) -> torch.Tensor:
 
 
 def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int,
-                  zero_domain: str = "int") -> torch.Tensor:
+                  zero_domain: str = "int", hold_codes: bool = False) -> torch.Tensor:
     """Wq = s * (clamp(round(W/s) + round(z), qmin, qmax) - round(z)), group-wise, STE on both rounds; with
     zero_domain float Wq = s * clamp(round((W - m)/s), qmin, qmax) + m, m at fp16 (llama.cpp's Q4_1).
 
     Args:
         weight: [out, in]; scale: [out, groups] or [out, groups, G|1]; zero: [out, groups].
+        hold_codes: s (and a float m) enter round's argument detached: d Wq / d s = the code (module docstring).
     Returns:
         [out, in] fake-quantised weight in weight's dtype.
     """
@@ -71,10 +78,11 @@ def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     w = weight.reshape(out_features, groups, in_features // groups)
     s = scale.unsqueeze(-1) if scale.dim() == 2 else scale
     z = _zero_point(zero, zero_domain).unsqueeze(-1)
+    s_in, z_in = (s.detach(), z.detach()) if hold_codes else (s, z)  # round's argument (same values either way)
     if zero_domain == "float":  # d * q, then + m, in that order: what gguf's dequantiser computes, so bit-exact
-        wq = torch.clamp(_round_ste((w - z) / s), qmin, qmax) * s + z
-    else:
-        wq = (torch.clamp(_round_ste(w / s) + z, qmin, qmax) - z) * s
+        wq = torch.clamp(_round_ste((w - z_in) / s_in), qmin, qmax) * s + z
+    else:  # an integer zero stays in the argument: shifting it shifts the codes, and Wq does not change
+        wq = (torch.clamp(_round_ste(w / s_in) + z, qmin, qmax) - z) * s
     return wq.reshape(out_features, in_features).to(weight.dtype)
 
 
@@ -97,16 +105,18 @@ def _lut_lookup(v: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, 
     return ordered.gather(-1, pos), order.expand(v.shape[0], v.shape[1], -1).gather(-1, pos)
 
 
-def fake_quantize_lut(weight: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+def fake_quantize_lut(weight: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
+                      hold_codes: bool = False) -> torch.Tensor:
     """Wq = s * LUT[nearest(W / s)]; STE passes W/s through (inside the codebook's range) to W and s.
 
     Args:
         weight: [out, in]; scale: [out, groups, G|1]; codebook: [1, 1, K] or [out, groups, K].
+        hold_codes: s enters W / s detached: d Wq / d s = the code's value (module docstring).
     Returns:
         [out, in] in weight's dtype.
     """
     out_features, in_features = weight.shape
-    v = weight.reshape(out_features, scale.shape[1], -1) / scale
+    v = weight.reshape(out_features, scale.shape[1], -1) / (scale.detach() if hold_codes else scale)
     values, _ = _lut_lookup(v, codebook)
     lo = codebook.detach().amin(-1, keepdim=True)
     hi = codebook.detach().amax(-1, keepdim=True)
@@ -149,6 +159,8 @@ class FakeQuantLinear(nn.Linear):
         self._step_wq: torch.Tensor | None = None  # set inside quantized_weights_once_per_step
         self._step_leaf: torch.Tensor | None = None
         self._stores_wq = False  # `weight` holds Wq itself (store_quantized_weight_), not the latent weight
+        # The latent weight was set from codes (load_quantizer_state_): the quantiser's gradient holds the codes.
+        self.hold_codes = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, cfg: QuantConfig, name: str = "",
@@ -221,10 +233,11 @@ class FakeQuantLinear(nn.Linear):
 
     def _fake_quantize(self) -> torch.Tensor:
         if self.cfg.scheme == "kquant":
-            return kquant.fake_quantize_kquant(self.weight, self.cfg, **self.quant_parameters())
+            return kquant.fake_quantize_kquant(self.weight, self.cfg, self.hold_codes, **self.quant_parameters())
         if self.cfg.scheme == "int":
-            return fake_quantize(self.weight, self._scale(), self.zero, self.cfg.qmin, self.cfg.qmax, self.cfg.zero_domain)
-        return fake_quantize_lut(self.weight, self._scale(), _fp16_ste(self.codebook))
+            cfg = self.cfg
+            return fake_quantize(self.weight, self._scale(), self.zero, cfg.qmin, cfg.qmax, cfg.zero_domain, self.hold_codes)
+        return fake_quantize_lut(self.weight, self._scale(), _fp16_ste(self.codebook), self.hold_codes)
 
     def trains(self) -> bool:
         """Whether Wq depends on a trained tensor (the latent weight or a quantiser parameter)."""

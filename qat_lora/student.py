@@ -170,6 +170,7 @@ def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
                 raise ValueError(f"{path}: {key} has shape {tuple(codes.shape)}, the student's weight is "
                                  f"{tuple(module.weight.shape)}; build the student with the run's --model")
             module.weight.copy_(module.dequantize_codes(codes.to(module.weight.device)))
+            module.hold_codes = True  # on the grid, LSQ's scale gradient is 0: hold the codes instead (quant.py)
 
 
 def save_adapter(model, path: Path) -> None:

@@ -39,6 +39,7 @@ def test_gptq_init_writes_codes_that_reload_on_the_grid_and_beat_rtn(teacher_dir
         if isinstance(module, FakeQuantLinear):
             assert torch.equal(module.codes(), saved[f"{name}.codes"])  # the weights sit exactly on their codes
             assert torch.equal(module.weight, module.quantized_weight())
+            assert module.hold_codes  # on the grid LSQ's scale gradient is 0: training holds the codes instead
     ptq = build_student(StudentSpec(str(teacher_dir), "w2g32"))
     assert _heldout_soft_ce(student, cache_dir) < _heldout_soft_ce(ptq, cache_dir)
     on_disk = json.loads((tmp_path / "gptq" / "quantize.json").read_text())
@@ -49,17 +50,17 @@ def test_training_continues_from_a_gptq_init(teacher_dir, cache_dir, tmp_path):
     _quantize(teacher_dir, cache_dir, tmp_path / "init", init="gptq")
     init = str(tmp_path / "init" / "quantizer.safetensors")
     summary = train(TrainConfig(model=str(teacher_dir), cache=str(cache_dir), quant="w2g32", quantizer=init,
-                                preset="weight-qat", out=str(tmp_path / "run"), max_steps=3, batch_size=4,
+                                preset="weight-qat", out=str(tmp_path / "run"), max_steps=8, batch_size=4,
                                 lr=1e-3, warmup_steps=1, device="cpu"), **QUIET)
     trained = build_student(StudentSpec(str(teacher_dir), "w2g32", summary["quantizer"]))
     start = build_student(StudentSpec(str(teacher_dir), "w2g32", init))
     rtn = build_student(StudentSpec(str(teacher_dir), "w2g32"))
     assert all(torch.isfinite(p).all() for p in trained.parameters())
-    # The run started from GPTQ's codes, not the preset's own init: it keeps GPTQ's lead over round-to-nearest.
-    # (Whether 3 weight-qat steps also beat the start on this random 2-layer model is below noise: measured
-    # 2.6542 vs 2.6529 with torch 2.9.0 / transformers 5.23; recovery is measured on SmolLM2 in docs/RESULTS.md.)
+    # The run started from GPTQ's codes, not the preset's own init (it keeps GPTQ's lead over round-to-nearest),
+    # and its scales train: the latent weights sit on the grid, where LSQ's scale gradient is 0 and then points
+    # either way (issue 13: 8 steps measured 2.6529 -> 2.6535-2.6541 over 4 seeds). Holding the codes: 2.6371-2.6427.
     trained_ce, start_ce = _heldout_soft_ce(trained, cache_dir), _heldout_soft_ce(start, cache_dir)
-    assert trained_ce < _heldout_soft_ce(rtn, cache_dir) and abs(trained_ce - start_ce) < 0.01
+    assert trained_ce < _heldout_soft_ce(rtn, cache_dir) and trained_ce < start_ce - 0.005
 
 
 def test_act_init_keeps_weights_and_needs_no_codes(teacher_dir, cache_dir, tmp_path):

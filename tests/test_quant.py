@@ -300,6 +300,46 @@ def test_quantiser_gradients_match_finite_differences(case):
             assert grad.abs().sum() > 0, f"{case}: {name} gets no gradient"
 
 
+ON_GRID_CASES = {**SCHEME_CASES, "float-zero": get_preset("q4_1"), "q4_k": get_preset("q4_k"),
+                 "q6_k": get_preset("q6_k")}
+
+
+def _on_grid_gradients(cfg: QuantConfig, hold_codes: bool) -> tuple[FakeQuantLinear, torch.Tensor]:
+    """A float64 layer whose latent weight is its own dequantised codes (a GPTQ start), with the gradients of
+    a random linear function of its output; also returns its codes."""
+    layer = _layer(cfg, seed=8, in_features=256 if cfg.scheme == "kquant" else 64).double()
+    with torch.no_grad():
+        codes = layer.codes()
+        layer.weight.copy_(layer.dequantize_codes(codes))
+    layer.hold_codes = hold_codes
+    layer.requires_grad_(True)
+    x = torch.randn(6, layer.in_features, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    (layer(x) * torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(10))).sum().backward()
+    return layer, codes
+
+
+@pytest.mark.parametrize("case", ON_GRID_CASES)
+def test_a_layer_on_its_grid_holds_the_codes_in_its_quantiser_gradient(case):
+    # On the grid W/s is the code, so LSQ's scale gradient round(W/s) - W/s vanishes and the scales of a GPTQ start
+    # cannot train (issue 13). With hold_codes the quantiser gets d(dequantize(codes))/d(parameters), codes fixed.
+    cfg = ON_GRID_CASES[case]
+    lsq, _ = _on_grid_gradients(cfg, hold_codes=False)
+    held, codes = _on_grid_gradients(cfg, hold_codes=True)
+    assert torch.equal(lsq.quantized_weight(), held.quantized_weight())  # the forward is unchanged
+    torch.testing.assert_close(held.weight.grad, lsq.weight.grad)  # the latent weight keeps its STE gradient
+    scale_name = "super_scale" if cfg.scheme == "kquant" else "scale"
+    if cfg.scheme != "lut":  # (a LUT's extreme entries sit on its clamp, within an ulp: LSQ passes some there)
+        assert getattr(lsq, scale_name).grad.abs().max() < 1e-6 * getattr(held, scale_name).grad.abs().max()
+    params = {k: p.detach().clone().requires_grad_() for k, p in held.quant_parameters().items()}
+    x = torch.randn(6, held.in_features, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    upstream = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    (x @ dequantize(codes, cfg, held.group_size, **params).double().T * upstream).sum().backward()
+    for name, p in params.items():
+        if name == "zero" and cfg.zero_domain == "int":  # shifting an integer zero shifts the codes: Wq is unchanged
+            torch.testing.assert_close(getattr(held, name).grad, getattr(lsq, name).grad)
+        else:
+            torch.testing.assert_close(getattr(held, name).grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"{case}: {name}")
+
 def test_fp16_snapping_is_exact_and_passes_gradients():
     layer = _layer(SCHEME_CASES["int-asym"])
     with torch.no_grad():
