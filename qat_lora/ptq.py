@@ -80,10 +80,11 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
     started = time.perf_counter()
     preset = get_preset(cfg.quant)
     report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(preset)}
-    if cfg.init != "none":
+    if cfg.init != "none" and preset.scheme != "kquant" and preset.zero_domain != "float":
         # Both data-aware inits fit group scales by the (weighted) clipping search, which is how the activation
         # weights act; under GPTQ min/max scales measured far worse (a probe on SmolLM2 w3g64, 32 calibration
         # sequences: 52.5 ppl vs 29.0; docs/RESULTS.md), as the error feedback widens each group's range.
+        # K-quants and q4_1's float offsets keep their own init: their grids admit llama.cpp's min/max only.
         preset = replace(preset, init="mse")
     if cfg.init == "act":
         quantize_(model, preset, importance=activation_importance(model, batches, preset))

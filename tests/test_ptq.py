@@ -46,6 +46,19 @@ def test_gptq_init_writes_codes_that_reload_on_the_grid_and_beat_rtn(teacher_dir
     assert on_disk["config"]["init"] == "gptq" and on_disk["seconds"] > 0
 
 
+@pytest.mark.parametrize("preset", ["q4_1", "q4_k", "q4_0"])
+def test_gptq_on_llama_cpp_grids_keeps_their_own_init(preset, teacher_dir, cache_dir, tmp_path):
+    # q4_1's float offsets and the K-quants admit only llama.cpp's min/max init (not the clipping search the other
+    # presets get under GPTQ): the init runs on their grid and the result exports to GGUF exactly.
+    from qat_lora.gguf_export import save_gguf
+    from qat_lora.models import load_tokenizer
+
+    report = _quantize(teacher_dir, cache_dir, tmp_path / "gptq", init="gptq", quant=preset)
+    assert all(e["gptq_err"] <= e["init_err"] + 1e-6 for e in report["gptq"]["layers"].values())
+    student = build_student(StudentSpec(str(teacher_dir), preset, str(tmp_path / "gptq" / "quantizer.safetensors")))
+    assert save_gguf(student, tmp_path / "g", load_tokenizer(str(teacher_dir)))["exact_layers"] == 14
+
+
 def test_training_continues_from_a_gptq_init(teacher_dir, cache_dir, tmp_path):
     _quantize(teacher_dir, cache_dir, tmp_path / "init", init="gptq")
     init = str(tmp_path / "init" / "quantizer.safetensors")
