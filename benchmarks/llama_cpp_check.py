@@ -15,7 +15,9 @@ llama.cpp on the file (llama-cpp-python, CPU, the adapter applied at run time as
 logits of the first window: their differences (largest, mean, relative to the logits' spread), the KL between the
 two next-token distributions and their top-1 agreement are the second set of figures. llama.cpp's CPU kernels
 multiply quantised weights by activations quantised to 8 bits (Q8_0 / Q8_K) and store embeddings and head at F16,
-so its logits are close to ours, not equal; the perplexity is the figure to hold within 1 %.
+so its logits are close to ours, not equal; the perplexity is the figure to hold within 1 %. With
+`--emulate-activations` the student is also scored with that arithmetic (`toolkit_emulated`): what remains between
+it and llama.cpp is neither the export's nor the activations'.
 `--tiny-arch qwen2|qwen3` checks the Qwen layouts on a random 4-layer model with the teacher's vocabulary and a
 Qwen2-style pre-tokenizer (no Qwen checkpoint is on this machine): logits only, its perplexity means nothing.
 Not part of CI: it needs llama.cpp built (~30 min on 2 cores). Prints one JSON line (`--json` also writes it).
@@ -68,6 +70,28 @@ def llama_cpp_scores(gguf_path: str, windows: np.ndarray, mask: np.ndarray, thre
     return {"ppl": math.exp(nll / max(count, 1)), "nll": nll / max(count, 1), "tokens": count}, first
 
 
+def emulate_llama_cpp_arithmetic_(student) -> None:
+    """Make the student compute as llama.cpp's CPU kernels do, to tell their rounding from an export error:
+    embeddings and head rounded to F16 (as stored), and every quantised linear's input quantised to 8 bits per
+    block (Q8_K: 256 for K-quant layers, Q8_0: 32 otherwise; scale = max |x| / 127), as ggml's dot products take it."""
+    from qat_lora.quant import FakeQuantLinear
+    from qat_lora.quant_init import snap_fp16
+
+    def q8(x: torch.Tensor, block: int) -> torch.Tensor:
+        blocks = x.reshape(-1, block)
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        d = torch.where(d == 0, torch.ones_like(d), d)
+        return (torch.round(blocks / d).clamp(-127, 127) * d).reshape(x.shape)
+
+    with torch.no_grad():
+        for p in (student.get_input_embeddings().weight, student.get_output_embeddings().weight):
+            p.copy_(snap_fp16(p))
+    for layer in student.modules():
+        if isinstance(layer, FakeQuantLinear):
+            block = 256 if layer.cfg.scheme == "kquant" else 32
+            layer.register_forward_pre_hook(lambda m, args, b=block: (q8(args[0], b), *args[1:]))
+
+
 def tiny_model_dir(arch: str, tokenizer, out: Path) -> Path:
     """A random 4-layer Qwen2 (q/k/v biases) or Qwen3 (q/k norms, head_dim 128 as released Qwen3s) with the
     teacher's vocabulary, its tokenizer given Qwen2's split regex so the GGUF states the `qwen2` pre-tokenizer."""
@@ -100,6 +124,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--emulate-activations", action="store_true",
+                        help="also score the student with llama.cpp's F16 embeddings and 8-bit activations")
     parser.add_argument("--json", default="", help="also write the record here")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -124,10 +150,16 @@ def main() -> None:
         with torch.no_grad():
             our_logits = student(input_ids=torch.from_numpy(windows[:1, :n]).long()).logits[0].double().numpy()
         teacher_gguf = model if model.endswith(".gguf") else None
-        report = save_gguf(student.get_base_model() if adapted else student, tmp, tokenizer, "student", teacher_gguf)
+        # PEFT wraps the linears in place: the GGUF base is written from a student built without the adapter
+        base = load_student(StudentSpec(model, args.quant, args.quantizer)) if adapted else student
+        report = save_gguf(base, tmp, tokenizer, "student", teacher_gguf)
         lora = save_gguf_lora(student, tmp) if adapted else None
         theirs, their_logits = llama_cpp_scores(f"{tmp}/{GGUF_FILE}", windows, mask, args.threads,
                                                 f"{tmp}/{ADAPTER_FILE}" if adapted else None)
+        if args.emulate_activations:  # after the logits above: those are the plain student's
+            emulate_llama_cpp_arithmetic_(student)
+            emulated = perplexity(student, tokenizer, [args.eval_text], args.seq_len, args.tokens, 4,
+                                  torch.device("cpu"))
     diff = np.abs(their_logits - our_logits)
     logp = {k: v - v.max(-1, keepdims=True) for k, v in (("ours", our_logits), ("theirs", their_logits))}
     logp = {k: v - np.log(np.exp(v).sum(-1, keepdims=True)) for k, v in logp.items()}
@@ -135,6 +167,7 @@ def main() -> None:
     record = {"model": args.tiny_arch or Path(args.model).name, "quant": args.quant, "quantizer": args.quantizer,
               "adapter": args.adapter or (f"random r{args.random_adapter}" if args.random_adapter else ""),
               "seq_len": args.seq_len, "toolkit": ours, "llama_cpp": theirs, "ratio": theirs["ppl"] / ours["ppl"],
+              "toolkit_emulated": emulated if args.emulate_activations else None,
               "logits_max_abs_diff": float(diff.max()), "logits_std": float(our_logits.std()),
               "logits_max_rel_diff": float(diff.max() / our_logits.std()),
               "logits_mean_abs_diff": float(diff.mean()), "kl_ours_to_llama_cpp": kl,
