@@ -303,8 +303,8 @@ class RecoverConfig(StudentSpec):
                                                               "optimizer steps per decoder block (0 = skip)"})
     blockwise_lr: float = field(default=1e-3, metadata={"help": "stage 1b: learning rate of the latent weights"})
     blockwise_quant_lr: float = field(default=1e-4, metadata={"help": "stage 1b: learning rate of scales and zeros"})
-    # Default "none": at cpu-small (w3g64, GPTQ start) weight-qat then LoRA measured 22.87 ppl against 21.88 for
-    # LoRA alone with the same tokens (docs/RESULTS.md); the stage stays one flag away for on-grid deployments.
+    # Default "none": at cpu-small (w3g64, GPTQ start) weight-qat then LoRA measured 22.35 ppl against 21.88 for
+    # LoRA alone on half the tokens (docs/RESULTS.md); the stage stays one flag away for on-grid deployments.
     qat: str = field(default="none", metadata={"help": "stage 2, end-to-end KD of the quantised weights: "
                                                        "none (measured best before LoRA), weight-qat (weights + "
                                                        "scales/zeros, left on the grid) or qat (scales/zeros)"})
