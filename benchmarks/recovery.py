@@ -15,6 +15,9 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
     lora-topk-renorm       recovery LoRA on top-K targets renormalised over the K (tail dropped; the baseline)
     lora-topk-tail         recovery LoRA on top-K + tail targets (the default; the only one swept over --ranks)
     lora-sampled           recovery LoRA on sampled (RS-KD) targets at about the top-K cache's bytes per token
+    lora-topk-tail-ce      recovery LoRA on half top-K + tail KD, half next-token CE on the text (alpha = 0.5): on
+                           teacher-written text the next token is a teacher sample, so the CE term is a one-sample
+                           estimate of the KL over the whole vocabulary, tail included
     ce-only                recovery LoRA on plain next-token cross-entropy, no teacher (alpha = 0)
     qat                    the quantiser's own parameters (scales, zeros, codebooks) trained by KD
     qat+lora               qat, then recovery LoRA on top of its quantiser (tokens and wall time of both stages)
@@ -85,7 +88,7 @@ DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq", "ptq-blockwise": "blockwise"
 # TrainConfig fields each trained method sets on top of the shared ones; the `+lora` methods chain their first
 # stage (qat, weight-qat) and lora-topk-tail over its quantiser state.
 TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {}, "lora-sampled": {},
-           "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {},
+           "lora-topk-tail-ce": {"alpha": 0.5}, "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {},
            "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}}
 CHAINS = {"qat+lora": "qat", "weight-qat+lora": "weight-qat"}  # chained method -> its first stage
 METHODS = ("teacher", *PTQ_INITS, *DATA_INITS, *TRAINED)

@@ -18,7 +18,7 @@ REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", 
             "cache_bytes_per_token", "run_dir")
 # Every method but lora-topk-renorm (the same trainer with one more TrainConfig flag), to stay under a minute.
 METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "ptq-blockwise",
-           "lora-topk-tail", "lora-sampled", "ce-only", "qat",
+           "lora-topk-tail", "lora-sampled", "lora-topk-tail-ce", "ce-only", "qat",
            "qat+lora", "weight-qat", "weight-qat+lora")
 
 
@@ -79,6 +79,11 @@ def test_one_record_per_row_with_every_field(first_run, tiny_args):
     by = _by_method(records)
     assert by["qat"]["lora_r"] is None and by["lora-sampled"]["lora_r"] == 4
     assert by["lora-sampled"]["cache_encoding"]["name"] == "sampled" and by["ce-only"]["cache_encoding"]["name"] == "topk"
+    # the KD weight each LoRA row trained with, as its run folder records it (1 = pure KD, 0 = plain CE)
+    alphas = {m: json.loads((Path(by[m]["run_dir"]) / "config.json").read_text())["alpha"]
+              for m in ("lora-topk-tail", "lora-topk-tail-ce", "ce-only")}
+    assert alphas == {"lora-topk-tail": 1.0, "lora-topk-tail-ce": 0.5, "ce-only": 0.0}
+    assert len({by[m]["ppl"] for m in alphas}) == 3  # three different objectives, three different students
 
 
 def test_gaps_follow_from_the_perplexities(first_run):
