@@ -57,6 +57,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -630,31 +631,50 @@ def plot_gaps(plt, records: list[dict], path: Path) -> Path:
     return path
 
 
+def text_family(names: list[str] | None) -> str:
+    """The training text a row used, without a size suffix: runs/selfgen/prefix (48 k tokens) and prefix-320k are
+    the same generator at two budgets, so their rows belong to one line."""
+    return ", ".join(re.sub(r"-\d+k$", "", name) for name in names) if names else "default text"
+
+
+def ppl_series(records: list[dict], preset: str) -> dict[str, list[tuple[int, float]]]:
+    """Held-out ppl against training tokens for each trained method of `preset`, one series per method, rank,
+    learning rate(s), start and training text, sorted by tokens. Where one series has two records at the same tokens
+    (a rerun), the later record is the one plotted."""
+    series: dict[str, dict[int, float]] = {}
+    for r in (r for r in records if r["preset"] == preset and r["tokens"]):
+        lrs = "+".join(f"{s['lr']:g}" for s in r.get("stages") or [] if s.get("lr") is not None)
+        label = _label(r) + (f" lr {lrs}" if lrs else "")
+        label += f" from {r['start_init']} ({text_family(r.get('train_text'))})"
+        series.setdefault(label, {})[r["tokens"]] = r["ppl"]
+    return {label: sorted(points.items()) for label, points in series.items()}
+
+
 def plot_ppl_tokens(plt, records: list[dict], path: Path) -> Path:
-    """Held-out ppl against training tokens, one panel per preset: each trained method (and the init it started
-    from) is a line through its budgets; the no-training rows are horizontal references; the teacher is black."""
+    """Held-out ppl against training tokens (both log), one panel per preset: each trained method (with the init
+    and text it started from) is a line through its budgets; the best no-training rows are grey references and the
+    teacher is black. Colours and markers both vary, so the many series stay tellable apart."""
     presets = list(dict.fromkeys(r["preset"] for r in records if r["preset"] and r["tokens"]))
-    fig, axes = plt.subplots(1, max(1, len(presets)), figsize=(6.5 * max(1, len(presets)), 4.5), squeeze=False)
+    fig, axes = plt.subplots(max(1, len(presets)), 1, figsize=(12, 4.8 * max(1, len(presets))), squeeze=False)
     teacher = next((r["ppl"] for r in records if r["method"] == "teacher"), None)
-    for ax, preset in zip(axes[0], presets):
-        rows = [r for r in records if r["preset"] == preset]
-        for r in sorted((r for r in rows if not r["tokens"]), key=lambda r: r["ppl"])[:3]:  # the best inits
+    colours, markers = plt.get_cmap("tab20").colors, "osD^vPX*<>"
+    for ax, preset in zip(axes[:, 0], presets):
+        inits: dict[str, dict] = {}
+        for r in sorted((r for r in records if r["preset"] == preset and not r["tokens"]), key=lambda r: r["ppl"]):
+            inits.setdefault(r["method"], r)  # each init's best record: reruns would print over each other
+        for r in list(inits.values())[:2]:  # the two best inits (a third, e.g. HQQ at w2, stretches the axis)
             ax.axhline(r["ppl"], linestyle="--", linewidth=0.8, color="grey")
-            ax.annotate(f"{r['method']} {r['ppl']:.1f}", (0, r["ppl"]), fontsize=7, va="bottom")
-        lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
-        for r in (r for r in rows if r["tokens"]):
-            data = ", ".join(r.get("train_text") or ["default text"])
-            lines.setdefault((f"{_label(r)} from {r['start_init']}", data), []).append((r["tokens"], r["ppl"]))
-        datas = list(dict.fromkeys(data for _, data in lines))
-        for (label, data), points in lines.items():
-            points.sort()
-            suffix = f" ({data})" if len(datas) > 1 else ""
-            ax.plot([t for t, _ in points], [p for _, p in points], marker="o", label=label + suffix)
+            ax.annotate(f"{r['method']} {r['ppl']:.1f}", (1.0, r["ppl"]), xycoords=("axes fraction", "data"),
+                        fontsize=7, va="bottom", ha="right", color="grey")
+        for i, (label, points) in enumerate(ppl_series(records, preset).items()):
+            ax.plot([t for t, _ in points], [p for _, p in points], label=label, color=colours[i % len(colours)],
+                    marker=markers[i % len(markers)], linewidth=1.2)
         if teacher:
             ax.axhline(teacher, color="black", linewidth=0.8)
-        ax.set(xlabel="training tokens", ylabel="held-out ppl (log)", yscale="log", title=preset)
-        ax.set_xlim(left=0)
-        ax.legend(fontsize=7)
+            ax.annotate(f"teacher {teacher:.2f}", (1.0, teacher), xycoords=("axes fraction", "data"), fontsize=7,
+                        va="bottom", ha="right")
+        ax.set(xlabel="training tokens (log)", ylabel="held-out ppl (log)", xscale="log", yscale="log", title=preset)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -162,6 +162,27 @@ def test_markdown_table_and_plots(first_run, tiny_args):
     assert (json_path.parent / "recovery_ppl_tokens.png").stat().st_size > 0
 
 
+def test_ppl_series_joins_budgets_of_one_method(recovery):
+    def record(method, tokens, ppl, text=None, start="gptq", r=16, lr=0.002):
+        return {"preset": "w3g64", "method": method, "lora_r": r, "tokens": tokens, "ppl": ppl,
+                "start_init": start, "train_text": text, "stages": [{"lr": lr}] if tokens else []}
+    records = [record("ptq-gptq", 0, 24.0, r=None),
+               record("lora-topk-tail", 40960, 20.2, ["prefix"]),
+               record("lora-topk-tail", 296960, 19.0, ["prefix-320k"]),
+               record("lora-topk-tail", 296960, 18.7, ["prefix-320k"]),  # a later rerun of the same point
+               record("lora-topk-tail", 40960, 21.9),
+               record("ce-only", 40960, 20.8, ["prefix"]),
+               record("lora-topk-tail", 296960, 18.9, ["prefix-320k"], lr=0.001),  # another lr: its own series
+               {**record("lora-topk-tail", 40960, 70.0, ["prefix"]), "preset": "w2g64"}]
+    assert recovery.ppl_series(records, "w3g64") == {
+        "lora-topk-tail r16 lr 0.002 from gptq (prefix)": [(40960, 20.2), (296960, 18.7)],
+        "lora-topk-tail r16 lr 0.002 from gptq (default text)": [(40960, 21.9)],
+        "ce-only r16 lr 0.002 from gptq (prefix)": [(40960, 20.8)],
+        "lora-topk-tail r16 lr 0.001 from gptq (prefix)": [(296960, 18.9)]}
+    assert recovery.text_family(["prefix-320k", "general"]) == "prefix, general"
+    assert recovery.text_family(["run-2k-notes"]) == "run-2k-notes"
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--methods", "bogus", "invalid choice: 'bogus'"),
     ("--presets", "w5g7", "invalid choice: 'w5g7'"),
