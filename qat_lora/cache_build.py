@@ -26,7 +26,7 @@ from tqdm import tqdm
 from . import __version__, data, device as dev, models
 from .cache import MANIFEST, SCHEMA_VERSION
 from .config_data import CacheBuildConfig
-from .files import atomic_write_json, sha256_file
+from .files import SAFETENSORS_TEMP, atomic_write_json, sha256_file
 
 
 _TEACHER_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.TEACHER_DTYPES
@@ -113,9 +113,10 @@ def _finished(cfg: CacheBuildConfig) -> bool:
     return json.loads(progress.read_text()).get("fingerprint") == cfg.fingerprint()
 
 
-# Every name a build writes in its folder (shards, progress, partial and merged manifests, their temp files).
+# Every name a build writes in its folder (shards, progress, partial and merged manifests, their temp files,
+# and the temp file safetensors itself saves through).
 _BUILD_FILE = re.compile(r"((train|heldout)-r\d{3}-\d{5}\.safetensors|progress-r\d{3}\.json|manifest(-r\d{3})?\.json)"
-                         r"(\.tmp)?")
+                         r"(\.tmp)?|" + SAFETENSORS_TEMP.pattern)
 
 
 def _check_out(cfg: CacheBuildConfig) -> Path:
@@ -141,8 +142,9 @@ def prepare_out(cfg: CacheBuildConfig) -> Path:
     """Create or reuse the checked cache folder; --overwrite removes only what a build wrote there."""
     out = _check_out(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.tmp"):
-        stale.unlink()  # half-written files of a crashed build never carry a real name
+    for stale in out.iterdir():
+        if stale.name.endswith(".tmp") or SAFETENSORS_TEMP.fullmatch(stale.name):
+            stale.unlink()  # half-written files of a crashed build never carry a real name
     if cfg.overwrite:
         for old in out.iterdir():
             old.unlink()  # all of them match _BUILD_FILE (checked above)

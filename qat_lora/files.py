@@ -4,7 +4,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
+
+# safetensors >= 0.8 saves through a temporary `.tmpXXXXXX` beside the target (the Rust tempfile crate's name)
+# and renames it; a process killed mid-save leaves that file behind, so folders our writers own treat it as their
+# own debris.
+SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 def atomic_write_json(path: str | Path, obj: dict) -> None:

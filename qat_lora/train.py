@@ -424,8 +424,12 @@ def _loop(run: _Run, batches: Iterator, log: Callable[[str], None], rerun: str =
 
 
 def _stop(run: _Run, signum: int | None, saved: Path | None, log: Callable[[str], None], rerun: str) -> None:
-    """End the process after a stop signal, once its checkpoint is saved: exit code 128 + signal number."""
+    """End the process after a stop signal, once its checkpoint is saved: exit code 128 + signal number.
+    Every rank waits for the master's save, then releases its process group: a rank that exited with gloo's
+    threads still running could abort in C++ at interpreter exit (SIGABRT, not 143)."""
     signum = signum or signal.SIGTERM  # another rank received it
+    run.backend.rendezvous(f"stopped-{run.step}")
     if run.backend.is_master:
         log(f"stopped by {signal.Signals(signum).name} after step {run.step}; checkpoint {saved}; {rerun}")
+    run.backend.shutdown()
     raise SystemExit(128 + signum)

@@ -154,7 +154,22 @@ def test_sigkill_then_resume_gives_byte_identical_shards(reference, teacher_dir,
     assert subprocess.run(cmd + ["--resume"], capture_output=True).returncode == 0
     assert interrupted >= 2  # most trials really died mid-build
     assert _shard_bytes(out) == _shard_bytes(reference)
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".tmp*"))
+
+
+def test_resume_clears_what_a_kill_mid_save_leaves(reference, teacher_dir, corpus_dir, tmp_path):
+    # A SIGKILL inside save_file leaves safetensors' own temp file (`.tmpXXXXXX`, safetensors >= 0.8) or ours
+    # (`name.tmp`); the resumed build removes both and still equals an uninterrupted one. A user's file stays refused.
+    out = tmp_path / "killed"
+    out.mkdir()
+    (out / ".tmpQx81Lz").write_bytes(b"half a shard")
+    (out / "train-r000-00001.safetensors.tmp").write_bytes(b"half a shard")
+    build_cache(_config(teacher_dir, corpus_dir, out, resume=True), log=lambda _: None)
+    assert _shard_bytes(out) == _shard_bytes(reference) and not list(out.glob(".tmp*")) + list(out.glob("*.tmp"))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / ".tmp_notes").write_text("not a build's")
+    with pytest.raises(ValueError, match=r"holds files a cache build did not write \(\.tmp_notes\)"):
+        build_cache(_config(teacher_dir, corpus_dir, tmp_path / "mine", resume=True), log=lambda _: None)
 
 
 def test_resume_refuses_different_arguments(reference, teacher_dir, corpus_dir, tmp_path):
