@@ -674,6 +674,13 @@ def plot_ppl_tokens(plt, records: list[dict], path: Path) -> Path:
             ax.annotate(f"teacher {teacher:.2f}", (1.0, teacher), xycoords=("axes fraction", "data"), fontsize=7,
                         va="bottom", ha="right")
         ax.set(xlabel="training tokens (log)", ylabel="held-out ppl (log)", xscale="log", yscale="log", title=preset)
+        # Plain numbers on the log axes (20, 30, 50, 100 k), not 2 x 10^1; only ticks led by 1, 2, 3 or 5 are
+        # labelled, so a wide range (w2g64's ppl) stays legible.
+        for axis, unit in ((ax.yaxis, 1), (ax.xaxis, 1000)):
+            ticks = plt.FuncFormatter(lambda v, _, unit=unit: f"{v / unit:g}{' k' if unit > 1 else ''}"
+                                      if f"{v:e}"[0] in "1235" else "")
+            axis.set_major_formatter(ticks)
+            axis.set_minor_formatter(ticks)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
