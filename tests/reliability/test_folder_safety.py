@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from qat_lora.cli import main
+from qat_lora.runs import prepare_run_dir
 
 TRAIN = ["--batch-size", "4", "--lora-r", "4", "--warmup-steps", "1", "--device", "cpu"]
 
@@ -54,6 +55,17 @@ def test_unfinished_run_without_checkpoint_restarts_only_with_the_same_settings(
     (out / "config.json").write_text(json.dumps(saved))  # a run killed before its first checkpoint
     argv = _train_argv(teacher_dir, cache_dir, out, "--quant", "w2g32", "--max-steps", "2", "--resume", "auto")
     assert main(argv) == 2 and json.loads((out / "config.json").read_text()) == saved
+
+
+def test_overwrite_removes_a_runs_files_and_save_debris_only(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / ".checkpoint-8.tmp").mkdir()
+    run_files = ["config.json", "metrics.jsonl", "quantizer.safetensors", "config.json.tmp", ".tmpQx81Lz"]
+    for name in run_files + ["notes.tmp", "mine.txt", ".tmp_keep"]:
+        (out / name).write_text("x")
+    prepare_run_dir(out, overwrite=True, resume_auto=False, resuming=False)
+    assert sorted(p.name for p in out.iterdir()) == [".tmp_keep", "mine.txt", "notes.tmp"]
 
 
 def test_out_that_is_a_file_is_refused(teacher_dir, cache_dir, tmp_path, capsys):
