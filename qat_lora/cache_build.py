@@ -26,7 +26,7 @@ from tqdm import tqdm
 from . import __version__, data, device as dev, models
 from .cache import MANIFEST, SCHEMA_VERSION
 from .config_data import CacheBuildConfig
-from .files import SAFETENSORS_TEMP, atomic_write_json, sha256_file
+from .files import SAFETENSORS_TEMP, atomic_write_json, save_debris, sha256_file
 
 
 _TEACHER_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.TEACHER_DTYPES
@@ -142,9 +142,8 @@ def prepare_out(cfg: CacheBuildConfig) -> Path:
     """Create or reuse the checked cache folder; --overwrite removes only what a build wrote there."""
     out = _check_out(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.iterdir():
-        if stale.name.endswith(".tmp") or SAFETENSORS_TEMP.fullmatch(stale.name):
-            stale.unlink()  # half-written files of a crashed build never carry a real name
+    for stale in save_debris(out):  # every entry matches _BUILD_FILE (checked above)
+        stale.unlink()  # half-written files of a crashed build never carry a real name
     if cfg.overwrite:
         for old in out.iterdir():
             old.unlink()  # all of them match _BUILD_FILE (checked above)

@@ -5,12 +5,20 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 # safetensors >= 0.8 saves through a temporary `.tmpXXXXXX` beside the target (the Rust tempfile crate's name)
 # and renames it; a process killed mid-save leaves that file behind, so folders our writers own treat it as their
 # own debris.
 SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
+def save_debris(folder: Path, ours: Collection[str] | None = None) -> list[Path]:
+    """What saves killed mid-write left in `folder`: safetensors' own temp files and our `name.tmp` files (only
+    for names in `ours` when given; a folder whose every entry was vetted as a build's passes None)."""
+    return [p for p in folder.iterdir() if SAFETENSORS_TEMP.fullmatch(p.name) or
+            (p.name.endswith(".tmp") and (ours is None or p.name[:-len(".tmp")] in ours))]
 
 
 def atomic_write_json(path: str | Path, obj: dict) -> None:

@@ -23,7 +23,7 @@ import signal
 import threading
 from pathlib import Path
 
-from .files import SAFETENSORS_TEMP
+from .files import save_debris
 
 ADAPTER_DIR = "adapter"
 QUANTIZER_FILE = "quantizer.safetensors"
@@ -168,11 +168,8 @@ def prepare_run_dir(out: str | Path, *, overwrite: bool, resume_auto: bool, resu
         if not (overwrite or resume_auto):
             raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
                              "another folder")
-        # Besides what a run writes, what a save killed mid-write leaves: our `name.tmp`s and safetensors' own.
-        debris = [p for p in out.iterdir() if SAFETENSORS_TEMP.fullmatch(p.name) or p.name[:-4] in RUN_FILES
-                  and p.name.endswith(".tmp")]
         for path in [out / name for name in RUN_FILES] + list(out.glob(CHECKPOINT_PREFIX + "*")) + \
-                list(out.glob(f".{CHECKPOINT_PREFIX}*")) + debris:
+                list(out.glob(f".{CHECKPOINT_PREFIX}*")) + save_debris(out, RUN_FILES):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     return out
