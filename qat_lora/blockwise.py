@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,10 +35,10 @@ from typing import Callable
 import torch
 from torch import nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import blocks
-from .files import atomic_write_json
+from .files import atomic_write_json, save_safetensors
 from .quant import FakeQuantLinear
 from .quant_init import SCALE_FLOOR, snap_fp16
 from .student import CODES_KEY, quantizer_state_dict
@@ -180,9 +179,7 @@ def _block_prefix(model: nn.Module, layer: nn.Module) -> str:
 def _save_block(path: Path, prefix: str, layer: nn.Module) -> None:
     """Write the block's quantiser state with codes, keyed as in the whole model's state (temp name, rename)."""
     state = {f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in quantizer_state_dict(layer, True).items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp))
-    os.replace(tmp, path)
+    save_safetensors(state, path)
 
 
 @torch.no_grad()

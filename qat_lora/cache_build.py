@@ -20,13 +20,12 @@ from typing import Callable
 
 import numpy as np
 import torch
-from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from . import __version__, data, device as dev, models
 from .cache import MANIFEST, SCHEMA_VERSION
 from .config_data import CacheBuildConfig
-from .files import SAFETENSORS_TEMP, atomic_write_json, save_debris, sha256_file
+from .files import SAFETENSORS_TEMP, atomic_write_json, save_debris, save_safetensors, sha256_file
 
 
 _TEACHER_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.TEACHER_DTYPES
@@ -68,15 +67,10 @@ class _ShardWriter:
     def _write(self, split: str, name: str, base: dict[str, np.ndarray], selected: list[dict], rows: list[int]) -> None:
         packed = [self.encoding.pack_row(s, self.vocab_size) for s in selected]
         arrays = {**base, **_stack_rows(packed, self.encoding.ragged_keys)}
-        tmp = self.out / (name + ".tmp")
         try:
-            save_file(arrays, str(tmp))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files; caches are meant to be shared
-            os.replace(tmp, self.out / name)
+            save_safetensors(arrays, self.out / name)  # the umask's modes: caches are meant to be shared
         except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk leaves no half shard behind, not even under its temp name
+            (self.out / (name + ".tmp")).unlink(missing_ok=True)  # a full disk leaves no half shard, not even its temp
             raise
         self.progress["shards"][split].append({"file": name, "rows": rows, "bytes": (self.out / name).stat().st_size,
                                                "sha256": sha256_file(self.out / name)})

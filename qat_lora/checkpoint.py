@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import device as dev
-from .files import sha256_file
+from .files import apply_umask, save_safetensors, sha256_file
 from .runs import CHECKPOINT_PREFIX as PREFIX
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -111,9 +111,10 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torch
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name, group in _to_host(tensors).items():
-        save_file(group, str(tmp / name))
+        save_safetensors(group, tmp / name)
     if write_extra is not None:
         write_extra(tmp)
+        apply_umask(tmp)
     # Checksums of everything above, in the state written last: a flipped byte is found, not resumed.
     files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / STATE_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **state, "files": files},

@@ -31,7 +31,7 @@ from .config import ExportConfig, StudentSpec, TrainConfig
 from .export_merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
                            student_and_base_metrics)
 from .export_ct import CT_DIR, save_compressed_tensors
-from .files import atomic_write_json
+from .files import apply_umask, atomic_write_json, save_safetensors
 from .gguf_export import GGUF_DIR, save_gguf
 from .gguf_lora import save_gguf_lora
 from .student import build_student, load_student, save_adapter, save_quantizer_state
@@ -124,8 +124,6 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
     Returns:
         the JSON header (layers, bits per weight, file size).
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors, layers, skip = {}, {}, set()
@@ -141,7 +139,7 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "quant_config": quant_config_dict(quant),
               "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "layers": layers,
               "bits_per_weight": bits_per_weight(model)}
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={HEADER_KEY: json.dumps(header)})
+    save_safetensors(tensors, out_dir / WEIGHTS_FILE, metadata={HEADER_KEY: json.dumps(header)})
     atomic_write_json(out_dir / "config.json", {
         "model_type": PACKED_MODEL_TYPE, "load_with": "qat_lora.export.load_packed (transformers: the dense/ folder)",
         "base_config": model.config.to_dict()})
@@ -226,6 +224,7 @@ def save_dense(model: nn.Module, out_dir: str | Path, tokenizer=None) -> None:
     dequantize_(model).save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    apply_umask(out_dir)  # transformers saves weights through safetensors' 0600 temp files
 
 
 def _prepare_out(cfg: ExportConfig) -> Path:
@@ -273,6 +272,7 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
         full = merge_full_(copy.deepcopy(peft_model))
         full.save_pretrained(out / MERGED_FP_DIR)
         tokenizer.save_pretrained(out / MERGED_FP_DIR)
+        apply_umask(out / MERGED_FP_DIR)
         if measured:
             info["merge_fp"] = recovery_verdict(measured, heldout_metrics(full, cfg.cache, cfg.batch_size),
                                                 "--merge-fp")

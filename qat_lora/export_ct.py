@@ -17,13 +17,13 @@ compressed-tensors form.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from .files import save_safetensors
 from .gguf_export import _state_tensors  # full-precision tensors, tied head skipped
 from .quant import FakeQuantLinear
 from .quant_config import QuantConfig
@@ -112,8 +112,6 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, quant: QuantC
     Raises:
         ValueError: the preset or a trained zero point has no compressed-tensors form (names the alternatives).
     """
-    from safetensors.torch import save_file
-
     check_supported(quant, preset)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,9 +131,7 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, quant: QuantC
                                          "output_activations": None, "format": "pack-quantized"}
                           for i, (args, names) in enumerate(groups.items())},
         "ignore": [], "kv_cache_scheme": None, "global_compression_ratio": None}
-    tmp = out_dir / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out_dir / WEIGHTS_FILE)
+    save_safetensors(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out_dir)

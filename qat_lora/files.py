@@ -1,11 +1,14 @@
-"""Small file helpers shared by the cache, the trainer and eval: atomic writes and checksums."""
+"""Small file helpers shared by every command that writes: atomic writes with the user's file modes, checksums,
+the ownership record that proves a folder is the toolkit's, the lock that keeps two commands out of one folder,
+and the check that an output never contains or equals an input."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 # safetensors >= 0.8 saves through a temporary `.tmpXXXXXX` beside the target (the Rust tempfile crate's name)
@@ -19,6 +22,39 @@ def save_debris(folder: Path, ours: Collection[str] | None = None) -> list[Path]
     for names in `ours` when given; a folder whose every entry was vetted as a build's passes None)."""
     return [p for p in folder.iterdir() if SAFETENSORS_TEMP.fullmatch(p.name) or
             (p.name.endswith(".tmp") and (ours is None or p.name[:-len(".tmp")] in ours))]
+
+
+def umask() -> int:
+    """This process's umask (read by setting it and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | Path) -> None:
+    """Give `path` (a file, or every file and folder below a folder) the modes a plain `open()` would: some
+    writers (safetensors >= 0.8, through a Rust tempfile) create 0600 files whatever the umask, which another user
+    of a shared model or cache folder then cannot read."""
+    path = Path(path)
+    mask = umask()
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def save_safetensors(tensors: Mapping, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """`safetensors` save of torch tensors or numpy arrays under a temporary name, then renamed, with the umask's
+    file mode: a killed save never leaves a half file under the real name."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    first = next(iter(tensors.values()), None)
+    if first is not None and type(first).__module__ == "numpy":
+        from safetensors.numpy import save_file
+    else:
+        from safetensors.torch import save_file
+    save_file(dict(tensors), str(tmp), metadata=metadata)
+    apply_umask(tmp)
+    os.replace(tmp, path)
 
 
 def atomic_write_json(path: str | Path, obj: dict) -> None:
@@ -49,3 +85,115 @@ def require_folder(out: str | Path, what: str) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file; pass a folder for {what}")
     return out
+
+
+# The ownership record: the JSON file each command writes first in its folder carries this key, so that a later
+# --overwrite removes only what the toolkit itself wrote (a model's config.json or a user's export.json is not ours).
+OWNER_KEY = "written_by"
+
+
+def owner_stamp(kind: str) -> dict:
+    """The `written_by` entry of a record file: {"tool": "qat-lora", "kind": kind, "version": ...}."""
+    from . import __version__
+
+    return {OWNER_KEY: {"tool": "qat-lora", "kind": kind, "version": __version__}}
+
+
+def read_record(path: str | Path) -> dict | None:
+    """A JSON record file as a dict, or None when it is missing, not JSON or not an object."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def owned_by(record_path: str | Path, kind: str, legacy_keys: Collection[str] = ()) -> bool:
+    """Whether `record_path` is the record of a `kind` folder the toolkit wrote: stamped `written_by` that kind,
+    or (records written before the stamp existed) holding every one of `legacy_keys` and no `model_type` (so a
+    transformers config.json never passes)."""
+    record = read_record(record_path)
+    if record is None:
+        return False
+    stamp = record.get(OWNER_KEY)
+    if isinstance(stamp, dict):
+        return stamp.get("tool") == "qat-lora" and stamp.get("kind") == kind
+    return bool(legacy_keys) and "model_type" not in record and all(k in record for k in legacy_keys)
+
+
+def check_out_apart_from_inputs(out: str | Path, inputs: Mapping[str, str | Path | Collection[str]]) -> None:
+    """Refuse an --out that equals, contains or lies inside an input (`{"--model": path, ...}`): writing or
+    clearing it would change or delete that input. Inputs that are not paths on disk (hub names, "") pass.
+
+    Raises:
+        ValueError: naming --out, the input flag and the fix.
+    """
+    out_path = Path(out).expanduser().resolve()
+    for flag, values in inputs.items():
+        for value in ([values] if isinstance(values, (str, Path)) else values):
+            if not value or not Path(value).expanduser().exists():
+                continue
+            src = Path(value).expanduser().resolve()
+            if out_path == src:
+                relation = "is"
+            elif out_path in src.parents:
+                relation = "contains"
+            elif src.is_dir() and src in out_path.parents:
+                relation = "lies inside"
+            else:
+                continue
+            raise ValueError(f"--out {out}: {relation} {flag} {value}; writing there would change the input, so "
+                             "choose an --out outside it")
+
+
+class FolderLock:
+    """An exclusive lock on an output folder for as long as a command writes it: a second command writing the
+    same folder fails at once instead of mixing its files with the first's. It is an flock on the folder
+    itself (no lock file to leave behind), released when the process ends, however it ends; file systems without
+    flock (some network mounts) run unlocked.
+
+        with FolderLock(out, "--out"):
+            ...write...
+
+    Creating the folder is part of taking the lock; if the command then fails before writing anything, the
+    empty folder it created is removed again.
+    """
+
+    def __init__(self, folder: str | Path, flag: str = "--out") -> None:
+        self.folder, self.flag = Path(folder), flag
+        self._fd: int | None = None
+        self._created = False
+
+    def acquire(self) -> "FolderLock":
+        import fcntl
+
+        self._created = not self.folder.exists()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self._fd)
+            self._fd = None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ValueError(f"{self.flag} {self.folder}: another qat-lora command is writing there now; wait "
+                                 "for it to end or choose another folder") from None
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
+        return self
+
+    def release(self, failed: bool = False) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if failed and self._created:
+            try:
+                self.folder.rmdir()  # only while still empty: nothing written is ever removed here
+            except OSError:
+                pass
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, exc_type, *_exc) -> None:
+        self.release(failed=exc_type is not None)

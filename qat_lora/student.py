@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import device as dev, models
 from .config import TRAIN_PRESETS, StudentSpec
-from .files import first_line
+from .files import apply_umask, first_line, save_safetensors
 from .lora import add_recovery_lora_, load_recovery_lora
 from .quant import FakeQuantLinear, get_preset, quantize_, quantizer_parameters
 from .runs import ADAPTER_DIR, QUANTIZER_FILE
@@ -181,6 +181,7 @@ def save_adapter(model, path: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     state = dev.state_dict_to_cpu(get_peft_model_state_dict(model))
     model.save_pretrained(str(tmp), state_dict=state)
+    apply_umask(tmp)  # PEFT saves through safetensors, whose files are 0600 whatever the umask
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
 
@@ -215,7 +216,5 @@ def save_artifacts(model, preset: str, folder: Path, codes: bool = False) -> dic
 def save_quantizer_state(model: torch.nn.Module, path: Path, codes: bool = False) -> None:
     """Write `quantizer_state_dict(model, codes)` to `path` atomically (temp name, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     state = dev.state_dict_to_cpu(quantizer_state_dict(model, codes))  # one transfer from an XLA device
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-    os.replace(tmp, path)
+    save_safetensors({k: v.contiguous() for k, v in state.items()}, path)
