@@ -5,6 +5,7 @@ encodings: docs/cache-format.md.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import queue
@@ -34,22 +35,15 @@ class KDCache:
 
     def __init__(self, path: str | Path, preload: bool = False) -> None:
         self.path = Path(path)
-        if not (self.path / MANIFEST).exists():
-            hint = "run `qat-lora cache merge`" if list(self.path.glob("manifest-r*.json")) else \
-                "build one with `qat-lora build-cache`"
-            raise ValueError(f"--cache {self.path}: no {MANIFEST}; {hint}")
+        self.manifest = _load_manifest(self.path)
         try:
-            self.manifest = json.loads((self.path / MANIFEST).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--cache {self.path / MANIFEST}: not valid JSON ({e}); rebuild or restore it") from None
-        if self.manifest.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"--cache {self.path}: schema version {self.manifest.get('schema_version')}, this "
-                             f"qat-lora reads {SCHEMA_VERSION}; rebuild the cache")
-        _check_manifest(self.manifest, self.path / MANIFEST)
-        self.encoding = make_encoding(self.manifest["encoding"])
+            self.encoding = make_encoding(self.manifest["encoding"])
+        except (KeyError, TypeError) as e:  # a hand-edited encoding entry: one line, not a traceback
+            raise ValueError(f"--cache {self.path / MANIFEST}: `encoding` lacks {e} or holds a wrong type; "
+                             f"{_MANIFEST_FIX}") from None
         self.preload = preload
         self._handles: dict[str, object] = {}
-        self._index = {s: self._row_index(s) for s in self.manifest["splits"]}
+        self._index = {s: _RowIndex(info["shards"]) for s, info in self.manifest["splits"].items()}
 
     @property
     def seq_len(self) -> int:
@@ -62,19 +56,14 @@ class KDCache:
     def num_sequences(self, split: str) -> int:
         return self.manifest["splits"][split]["sequences"]
 
-    def _row_index(self, split: str) -> list[tuple[str, int]]:
-        """Global row -> (shard file, row within the shard)."""
-        index: list[tuple[str, int] | None] = [None] * self.num_sequences(split)
-        for shard in self.manifest["splits"][split]["shards"]:
-            for local, row in enumerate(range(*shard["rows"])):
-                index[row] = (shard["file"], local)
-        return index  # type: ignore[return-value]
-
     def _shard(self, name: str):
         if name not in self._handles:
             file = self.path / name
             if not file.exists():
                 raise ValueError(f"--cache {self.path}: shard {name} is missing; run `qat-lora cache verify`")
+            if not file.is_file():  # mmap of a folder fails with a bare "No such device"
+                raise ValueError(f"--cache {self.path}: shard {name} {_not_a_file(file)}; remove it and rebuild the "
+                                 "cache with --resume or --overwrite")
             try:
                 if self.preload:
                     with safe_open(str(file), framework="np") as f:
@@ -107,7 +96,7 @@ class KDCache:
         (`topk_ids`/`topk_logprobs` [L, K] or `sample_ids`/`sample_weights` [L, N])."""
         if not 0 <= index < self.num_sequences(split):
             raise IndexError(f"sequence {index} out of range for the {split} split ({self.num_sequences(split)})")
-        raw = self._read(*self._index[split][index])
+        raw = self._read(*self._index[split].locate(index))
         out = {"input_ids": torch.from_numpy(np.asarray(raw["input_ids"], dtype=np.int64)),
                "attention_mask": torch.from_numpy(np.asarray(raw["attention_mask"], dtype=np.uint8))}
         out.update(self.encoding.decode(raw, self.seq_len, self.vocab_size))
@@ -180,29 +169,136 @@ def batch_order(num_rows: int, *, seed: int, epoch: int, rank: int = 0, world_si
     return order[rank::world_size]
 
 
+_MANIFEST_FIX = "rebuild the cache or restore its manifest.json"
+# The fields every reader relies on, with their JSON types (bool is not an int here).
+_HEADER_FIELDS = {"schema_version": int, "encoding": dict, "seq_len": int, "vocab_size": int, "splits": dict,
+                  "tokenizer_sha256": str, "teacher": dict}
+_JSON_NAMES = {dict: "object", str: "string"}
+_SHARD_FIELDS = {"bytes": (int, "a non-negative integer"), "sha256": (str, "a string")}
+# The least one row can take on disk: L int32 input ids + L uint8 mask bytes (docs/cache-format.md), targets
+# not counted. Bounds the rows a shard of its recorded size can hold, so a forged count is refused, not allocated.
+_MIN_BYTES_PER_TOKEN = 5
+
+
+def _load_manifest(path: Path) -> dict:
+    """The manifest of the cache folder `path`, checked (`_check_manifest`) before anything relies on it."""
+    file = path / MANIFEST
+    if not file.exists():
+        hint = "run `qat-lora cache merge`" if list(path.glob("manifest-r*.json")) else \
+            "build one with `qat-lora build-cache`"
+        raise ValueError(f"--cache {path}: no {MANIFEST}; {hint}")
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--cache {file}: not valid JSON ({e}); rebuild or restore it") from None
+    if isinstance(manifest, dict) and manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"--cache {path}: schema version {manifest.get('schema_version')}, this "
+                         f"qat-lora reads {SCHEMA_VERSION}; rebuild the cache")
+    _check_manifest(manifest, file)
+    return manifest
+
+
+def _is(value, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
 def _check_manifest(manifest: dict, where: Path) -> None:
-    """The fields the reader relies on, and shard names confined to the cache folder (a manifest is data from
-    elsewhere: `../x` or `/etc/x` must never be opened).
+    """The whole schema the reader and `cache verify` rely on, in one place: every field present with its type,
+    shard names confined to the cache folder (a manifest is data from elsewhere: `../x` or `/etc/x` must never be
+    opened), each shard named once, the shards of a split covering its rows exactly once, and every count
+    within what the recorded shard sizes can hold (checked before any index is allocated).
 
     Raises:
         ValueError: one line naming the manifest and the bad entry.
     """
-    for key in ("schema_version", "encoding", "seq_len", "vocab_size", "splits", "tokenizer_sha256", "teacher"):
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{where}: not a JSON object; {_MANIFEST_FIX}")
+    for key, kind in _HEADER_FIELDS.items():
         if key not in manifest:
             raise ValueError(f"{where}: no `{key}` entry; the manifest is damaged: rebuild the cache")
+        if not _is(manifest[key], kind) or (kind is int and manifest[key] <= 0):
+            what = "a positive integer" if kind is int else f"a JSON {_JSON_NAMES[kind]}"
+            raise ValueError(f"{where}: `{key}` is {manifest[key]!r}, not {what}; {_MANIFEST_FIX}")
+    seen: set[str] = set()  # shard names over every split: one file read as two shards is double data
     for split, info in manifest["splits"].items():
-        sequences = info.get("sequences") if isinstance(info, dict) else None
-        if not isinstance(sequences, int) or not isinstance(info.get("shards"), list):
-            raise ValueError(f"{where}: split {split!r} lacks `sequences` or `shards`; rebuild the cache")
-        for shard in info["shards"]:
-            name, rows = shard.get("file"), shard.get("rows")
-            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") or "\\" in name:
-                raise ValueError(f"{where}: shard name {name!r} is not a file inside the cache folder; refusing it")
-            span = range(*rows) if (isinstance(rows, list) and len(rows) == 3 and all(isinstance(r, int) for r in rows)
-                                    and rows[2] > 0) else None
-            if span is None or (len(span) and (span[0] < 0 or span[-1] >= sequences)):
-                raise ValueError(f"{where}: shard {name} has row range {rows!r} outside the {split} split's "
-                                 f"{sequences} sequences; rebuild the cache")
+        _check_split(split, info, manifest["seq_len"], where, seen)
+
+
+def _check_split(split: str, info, seq_len: int, where: Path, seen: set[str]) -> None:
+    sequences = info.get("sequences") if isinstance(info, dict) else None
+    if not _is(sequences, int) or sequences < 0 or not isinstance(info.get("shards"), list):
+        raise ValueError(f"{where}: split {split!r} lacks `sequences` or `shards`; rebuild the cache")
+    if "tokens" in info and not _is(info["tokens"], int):
+        raise ValueError(f"{where}: split {split!r} has `tokens` {info['tokens']!r}, not an integer; {_MANIFEST_FIX}")
+    spans = []
+    for shard in info["shards"]:
+        name, span = _check_shard_entry(shard, split, sequences, seq_len, where)
+        if name in seen:
+            raise ValueError(f"{where}: shard {name} is listed twice; {_MANIFEST_FIX}")
+        seen.add(name)
+        spans.append((span, name))
+    covered = sum(len(span) for span, _ in spans)
+    if covered != sequences:
+        raise ValueError(f"{where}: {split} shards hold {covered} sequences, the manifest says {sequences}; "
+                         f"{_MANIFEST_FIX}")
+    _check_disjoint(spans, where)
+
+
+def _check_shard_entry(shard, split: str, sequences: int, seq_len: int, where: Path) -> tuple[str, range]:
+    """One `shards[]` entry: its name, fields and row range. Returns (file name, rows)."""
+    name = shard.get("file") if isinstance(shard, dict) else None
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") or "\\" in name:
+        raise ValueError(f"{where}: shard name {name!r} is not a file inside the cache folder; refusing it")
+    for key, (kind, what) in _SHARD_FIELDS.items():
+        if not _is(shard.get(key), kind) or (kind is int and shard[key] < 0):
+            raise ValueError(f"{where}: shard {name} has `{key}` {shard.get(key)!r}, not {what}; {_MANIFEST_FIX}")
+    rows = shard.get("rows")
+    span = range(*rows) if (isinstance(rows, list) and len(rows) == 3 and all(_is(r, int) for r in rows)
+                            and rows[2] > 0) else None
+    if span is None or not len(span) or span[0] < 0 or span[-1] >= sequences:
+        raise ValueError(f"{where}: shard {name} has row range {rows!r} outside the {split} split's "
+                         f"{sequences} sequences; rebuild the cache")
+    if len(span) * seq_len * _MIN_BYTES_PER_TOKEN > shard["bytes"]:
+        raise ValueError(f"{where}: shard {name} claims {len(span)} rows of {seq_len} tokens in {shard['bytes']} "
+                         f"bytes, fewer than they take; {_MANIFEST_FIX}")
+    return name, span
+
+
+def _check_disjoint(spans: list[tuple[range, str]], where: Path) -> None:
+    """No row in two shards. A build steps every shard of a split by its world size, so shards of one residue
+    class sorted by start overlap only where one starts before its predecessor ends."""
+    steps = {span.step: name for span, name in spans}
+    if len(steps) > 1:
+        (a, first), (b, second) = list(steps.items())[:2]
+        raise ValueError(f"{where}: shards {first} and {second} step through rows by {a} and {b}, one build steps "
+                         f"by one world size; {_MANIFEST_FIX}")
+    ordered = sorted(spans, key=lambda item: (item[0].start % item[0].step, item[0].start))
+    for (prev, prev_name), (span, name) in zip(ordered, ordered[1:]):
+        if span.start % span.step == prev.start % prev.step and span.start <= prev[-1]:
+            raise ValueError(f"{where}: shards {prev_name} and {name} both hold row {span.start}; {_MANIFEST_FIX}")
+
+
+class _RowIndex:
+    """Global row -> (shard file, row within the shard) of one split, in memory per shard, not per row: the
+    shards of a checked manifest share one step and cover the rows exactly once (`_check_disjoint`)."""
+
+    def __init__(self, shards: list[dict]) -> None:
+        self.step = shards[0]["rows"][2] if shards else 1
+        self.starts: dict[int, list[int]] = {}
+        self.names: dict[int, list[str]] = {}
+        for shard in sorted(shards, key=lambda sh: sh["rows"][0]):
+            start = shard["rows"][0]
+            self.starts.setdefault(start % self.step, []).append(start)
+            self.names.setdefault(start % self.step, []).append(shard["file"])
+
+    def locate(self, row: int) -> tuple[str, int]:
+        residue = row % self.step
+        at = bisect.bisect_right(self.starts[residue], row) - 1
+        return self.names[residue][at], (row - self.starts[residue][at]) // self.step
+
+
+def _not_a_file(file: Path) -> str:
+    return "is a folder, not a shard file" if file.is_dir() else "is not a regular file"
 
 
 def verify_cache(path: str | Path) -> list[str]:
@@ -214,23 +310,20 @@ def verify_cache(path: str | Path) -> list[str]:
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # verify itself never crashes
         return [str(e).splitlines()[0] if isinstance(e, ValueError) and str(e) else
                 f"{Path(path) / MANIFEST}: unreadable manifest ({type(e).__name__}: {e})"]
-    problems = []
-    for split, info in cache.manifest["splits"].items():
-        covered = 0
+    problems = []  # the manifest's counts, names and fields were checked by KDCache (_check_manifest)
+    for info in cache.manifest["splits"].values():
         for shard in info["shards"]:
             file = cache.path / shard["file"]
-            count = len(range(*shard["rows"]))
-            covered += count
             if not file.exists():
                 problems.append(f"{file}: missing")
+            elif not file.is_file():
+                problems.append(f"{file}: {_not_a_file(file)}; remove it and rebuild the cache with --resume")
             elif file.stat().st_size != shard["bytes"]:
                 problems.append(f"{file}: {file.stat().st_size} bytes, the manifest says {shard['bytes']} (truncated?)")
             elif sha256_file(file) != shard["sha256"]:
                 problems.append(f"{file}: sha256 differs from the manifest (corrupted)")
             else:
-                problems += _check_shard(file, count, cache.seq_len)
-        if covered != info["sequences"]:
-            problems.append(f"{cache.path / MANIFEST}: {split} shards hold {covered} sequences, the manifest says {info['sequences']}")
+                problems += _check_shard(file, len(range(*shard["rows"])), cache.seq_len)
     return problems
 
 
@@ -255,12 +348,12 @@ def inspect_cache(path: str | Path) -> dict:
     cache = KDCache(path)
     m = cache.manifest
     total_bytes = sum(sh["bytes"] for info in m["splits"].values() for sh in info["shards"])
-    tokens = sum(info["tokens"] for info in m["splits"].values())
+    tokens = sum(info.get("tokens", 0) for info in m["splits"].values())
     return {"path": str(cache.path), "encoding": m["encoding"], "seq_len": m["seq_len"], "vocab_size": m["vocab_size"],
             "sequences": {s: i["sequences"] for s, i in m["splits"].items()},
-            "tokens": {s: i["tokens"] for s, i in m["splits"].items()},
+            "tokens": {s: i.get("tokens") for s, i in m["splits"].items()},
             "bytes": total_bytes, "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
-            "teacher": m["teacher"]["name_or_path"], "teacher_weights_sha256": m["teacher"]["weights_sha256"],
+            "teacher": m["teacher"].get("name_or_path"), "teacher_weights_sha256": m["teacher"].get("weights_sha256"),
             "tokenizer_sha256": m["tokenizer_sha256"], "world_size": m.get("world_size", 1),
             # Caches built before these were recorded ran the teacher in fp32 at the backend's matmul precision.
             "teacher_dtype": m.get("teacher_dtype", "fp32"), "matmul_precision": m.get("matmul_precision", "default")}

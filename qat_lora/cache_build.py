@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -25,7 +26,9 @@ from tqdm import tqdm
 from . import __version__, data, device as dev, models
 from .cache import MANIFEST, SCHEMA_VERSION
 from .config_data import CacheBuildConfig
-from .files import SAFETENSORS_TEMP, atomic_write_json, save_debris, save_safetensors, sha256_file
+from .files import (SAFETENSORS_TEMP, atomic_write_json, check_out_apart_from_inputs, owner_stamp, save_debris,
+                    save_safetensors, sha256_file)
+from .runs import StopSignal
 
 
 _TEACHER_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.TEACHER_DTYPES
@@ -82,19 +85,37 @@ class _ShardWriter:
         self.pool.shutdown()
 
 
-def _load_progress(cfg: CacheBuildConfig, out: Path, path: Path) -> dict:
-    fresh = {"fingerprint": cfg.fingerprint(), "rank": cfg.rank, "shards": {s: [] for s in data.SPLITS}}
+def _load_progress(cfg: CacheBuildConfig, out: Path, corpus: str) -> dict:
+    """This rank's progress record: fresh, or (--resume) the interrupted build's, refused when its arguments, its
+    corpus or its shards changed since (the teacher is checked once loaded: `_check_teacher`). Cheap checks
+    only: nothing has loaded yet and nothing is written."""
+    path = out / f"progress-r{cfg.rank:03d}.json"
+    fresh = {**owner_stamp("cache"), "fingerprint": cfg.fingerprint(), "rank": cfg.rank, "corpus_sha256": corpus,
+             "shards": {s: [] for s in data.SPLITS}}
     if not cfg.resume or not path.exists():
         return fresh
     progress = json.loads(path.read_text())
     if progress.get("fingerprint") != cfg.fingerprint():
         raise ValueError(f"--resume: {out} was built with other arguments; rerun with the same flags or --overwrite")
+    # Progress records from before the identities were kept hold no corpus_sha256: nothing to compare.
+    if progress.setdefault("corpus_sha256", corpus) != corpus:
+        raise ValueError(f"--data {' '.join(cfg.data)}: the corpus changed since this build started; rebuild with "
+                         "--overwrite or restore it")
     for split in data.SPLITS:
         for shard in progress["shards"][split]:
             file = out / shard["file"]
-            if not file.exists() or sha256_file(file) != shard["sha256"]:
+            if not file.is_file() or sha256_file(file) != shard["sha256"]:
                 raise ValueError(f"--resume: shard {file} is missing or changed; rebuild with --overwrite")
-    return progress
+    return {**progress, **owner_stamp("cache")}
+
+
+def _check_teacher(cfg: CacheBuildConfig, progress: dict, identity: dict) -> None:
+    """Record the teacher's identity in the progress, or (--resume) refuse a teacher whose weights or config
+    changed since the build started: its new shards would mix two teachers' targets."""
+    teacher = {k: identity[k] for k in ("weights_sha256", "config_sha256")}
+    if progress.setdefault("teacher", teacher) != teacher:  # older records: none to compare
+        raise ValueError(f"--teacher {cfg.teacher}: the teacher changed since this build started (weights or config); "
+                         "rebuild with --overwrite or restore it")
 
 
 def _finished(cfg: CacheBuildConfig) -> bool:
@@ -113,12 +134,19 @@ _BUILD_FILE = re.compile(r"((train|heldout)-r\d{3}-\d{5}\.safetensors|progress-r
                          r"(\.tmp)?|" + SAFETENSORS_TEMP.pattern)
 
 
-def _check_out(cfg: CacheBuildConfig) -> Path:
-    """Refuse an --out that cannot take this build, before any model loads. A folder holding anything a build
-    did not write (a model, another project) is refused outright: nothing of the user's is ever deleted."""
+def check_out_path(cfg: CacheBuildConfig) -> Path:
+    """--out as a folder apart from every input (the launcher checks it before taking the folder's lock)."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file; pass a folder for the cache")
+    check_out_apart_from_inputs(out, {"--teacher": cfg.teacher, "--data": cfg.data})
+    return out
+
+
+def _check_out(cfg: CacheBuildConfig) -> Path:
+    """Refuse an --out that cannot take this build, before any model loads. A folder holding anything a build
+    did not write (a model, another project) is refused outright: nothing of the user's is ever deleted."""
+    out = check_out_path(cfg)
     foreign = sorted(p.name for p in out.iterdir() if not _BUILD_FILE.fullmatch(p.name)) if out.exists() else []
     if foreign:
         raise ValueError(f"--out {out}: holds files a cache build did not write ({', '.join(foreign[:3])}"
@@ -136,12 +164,21 @@ def prepare_out(cfg: CacheBuildConfig) -> Path:
     """Create or reuse the checked cache folder; --overwrite removes only what a build wrote there."""
     out = _check_out(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in save_debris(out):  # every entry matches _BUILD_FILE (checked above)
-        stale.unlink()  # half-written files of a crashed build never carry a real name
+    clear_debris(cfg, every_rank=cfg.world_size == 1)
     if cfg.overwrite:
         for old in out.iterdir():
             old.unlink()  # all of them match _BUILD_FILE (checked above)
     return out
+
+
+def clear_debris(cfg: CacheBuildConfig, every_rank: bool) -> None:
+    """Remove what saves killed mid-write left in --out (half-written files never carry a real name): every
+    rank's when no builder runs yet (`every_rank`), else only this rank's own, as another rank's temp file may be
+    in flight right now. Only names a build writes: a user's `notes.tmp` stays."""
+    out, mine = Path(cfg.out), re.compile(rf"-r{cfg.rank:03d}[-.]")
+    for stale in save_debris(out) if out.is_dir() else []:
+        if _BUILD_FILE.fullmatch(stale.name) and (every_rank or mine.search(stale.name)):
+            stale.unlink()
 
 
 def _tokenise(cfg: CacheBuildConfig, files: list[Path], tokenizer) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -179,25 +216,68 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     Returns the manifest path (one rank) or this rank's partial manifest (several ranks).
     Raises:
         ValueError: missing teacher or data, empty corpus, seq_len beyond the teacher's context, an existing
-            cache without --overwrite, a --resume whose arguments differ from the interrupted build.
+            cache without --overwrite, a --resume whose arguments, corpus or teacher differ from the interrupted
+            build's.
+        SystemExit: 128 + the signal after SIGTERM / SIGINT, once the shards already queued are written (the
+            build then continues with --resume).
     """
     files = data.list_text_files(cfg.data)  # cheap checks first: a typo should not wait for the teacher
     if _finished(cfg):  # a preemption loop may rerun the build once more after it completed
         log(f"{cfg.out}: this build is already complete; nothing to resume")
         return Path(cfg.out) / MANIFEST
-    _check_out(cfg)
+    out = _check_out(cfg)
+    corpus = data.corpus_fingerprint(files)
+    progress = _load_progress(cfg, out, corpus)
     tokenizer, teacher = _load_teacher(cfg)
+    identity = models.model_fingerprint(teacher, cfg.teacher)  # of the weights as stored, whatever --dtype runs
+    _check_teacher(cfg, progress, identity)
     packed = _tokenise(cfg, files, tokenizer)
-    out = prepare_out(cfg)
+    prepare_out(cfg)
     # A builder among several on this host (launch.build_cache_on_chips, torchrun) drives its own GPU.
     device = dev.prepare_process(dev.resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0")),
                                  int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    identity = models.model_fingerprint(teacher, cfg.teacher)  # of the weights as stored, whatever --dtype runs
     _teacher_to(teacher, device, _TEACHER_DTYPE[cfg.dtype])
     encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
-    progress_path = out / f"progress-r{cfg.rank:03d}.json"
-    progress = _load_progress(cfg, out, progress_path)
-    writer = _ShardWriter(out, encoding, vocab, progress_path, progress)
+    writer = _ShardWriter(out, encoding, vocab, out / f"progress-r{cfg.rank:03d}.json", progress)
+    # Until here a stop signal ends the process at once (nothing is written yet); from here it ends the build
+    # between batches, after the shards already queued.
+    with StopSignal() as stop:
+        try:
+            elapsed = _run_teacher(cfg, teacher, device, encoding, packed, writer, stop, log)
+        except _Stopped as stopped:
+            writer.close()  # the shards already queued are whole and recorded: --resume continues after them
+            log(f"stopped by {signal.Signals(stopped.signum).name}: {sum(map(len, progress['shards'].values()))} "
+                "shard(s) kept; rerun the same command with --resume to continue")
+            raise SystemExit(128 + stopped.signum) from None
+    partial = {**owner_stamp("cache"), "rank": cfg.rank, "world_size": cfg.world_size, "shards": progress["shards"],
+               "sequences": {s: len(packed[s][0]) for s in data.SPLITS},
+               "tokens": {s: int(packed[s][1].sum()) for s in data.SPLITS},
+               "header": _header(cfg, corpus, identity, tokenizer, vocab, encoding),
+               "seconds": round(elapsed, 2)}
+    if dev.is_xla(device):
+        partial["xla"] = dev.compile_metrics()  # this rank's graphs: one per batch shape, whatever the rank
+    path = out / f"manifest-r{cfg.rank:03d}.json"
+    atomic_write_json(path, partial)
+    log(f"{f'rank {cfg.rank}: ' if cfg.world_size > 1 else ''}shards written in {elapsed:.1f} s")
+    return merge_manifests(out, log) if cfg.world_size == 1 else path
+
+
+class _Stopped(Exception):
+    """A stop signal arrived: the build ends between batches (the shard being gathered is abandoned)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _run_teacher(cfg: CacheBuildConfig, teacher, device, encoding, packed: dict, writer: _ShardWriter,
+                 stop: StopSignal, log: Callable[[str], None]) -> float:
+    """Every split's shards of this rank, after those `writer.progress` already holds; returns the seconds taken.
+
+    Raises:
+        _Stopped: a stop signal arrived (the writer is left for the caller to close).
+    """
+    progress = writer.progress
     mine = {s: np.arange(cfg.rank, len(packed[s][0]), cfg.world_size) for s in data.SPLITS}
     done = {s: sum(len(range(*sh["rows"])) for sh in progress["shards"][s]) for s in data.SPLITS}
     total = sum(int(packed[s][1][mine[s]].sum()) for s in data.SPLITS)
@@ -211,22 +291,12 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
         bar.update(sum(int(packed[s][1][mine[s][:done[s]]].sum()) for s in data.SPLITS))
         with dev.matmul_precision(device, cfg.matmul_precision):
             for split in data.SPLITS:
-                _build_split(cfg, teacher, device, encoding, split, packed[split], mine[split], done[split], writer, bar)
+                _build_split(cfg, teacher, device, encoding, split, packed[split], mine[split], done[split], writer,
+                             bar, stop)
     writer.close()
     if dev.is_xla(device):
         log(f"XLA: {json.dumps(dev.compile_metrics())}")
-    elapsed = time.perf_counter() - started
-    partial = {"rank": cfg.rank, "world_size": cfg.world_size, "shards": progress["shards"],
-               "sequences": {s: len(packed[s][0]) for s in data.SPLITS},
-               "tokens": {s: int(packed[s][1].sum()) for s in data.SPLITS},
-               "header": _header(cfg, files, identity, tokenizer, vocab, encoding),
-               "seconds": round(elapsed, 2)}
-    if dev.is_xla(device):
-        partial["xla"] = dev.compile_metrics()  # this rank's graphs: one per batch shape, whatever the rank
-    path = out / f"manifest-r{cfg.rank:03d}.json"
-    atomic_write_json(path, partial)
-    log(f"{f'rank {cfg.rank}: ' if cfg.world_size > 1 else ''}shards written in {elapsed:.1f} s")
-    return merge_manifests(out, log) if cfg.world_size == 1 else path
+    return time.perf_counter() - started
 
 
 def _warn_small_holdout(cfg: CacheBuildConfig, sequences: int, log: Callable[[str], None]) -> None:
@@ -237,12 +307,14 @@ def _warn_small_holdout(cfg: CacheBuildConfig, sequences: int, log: Callable[[st
 
 
 def _build_split(cfg, teacher, device, encoding, split: str, packed: tuple[np.ndarray, np.ndarray],
-                 rows: np.ndarray, done: int, writer: _ShardWriter, bar: tqdm) -> None:
+                 rows: np.ndarray, done: int, writer: _ShardWriter, bar: tqdm, stop: StopSignal) -> None:
     input_ids, mask = packed
     for shard_start in range(done, len(rows), cfg.shard_sequences):
         shard_rows = rows[shard_start:shard_start + cfg.shard_sequences]
         selected: list[dict] = []
         for start in range(0, len(shard_rows), cfg.batch_size):
+            if stop.signum is not None:  # checked per batch: a large shard of a large teacher takes minutes
+                raise _Stopped(stop.signum)
             batch_rows = shard_rows[start:start + cfg.batch_size]
             ids = np.zeros((cfg.batch_size, cfg.seq_len), dtype=np.int64)  # fixed shape: pad the last batch
             ids[:len(batch_rows)] = input_ids[batch_rows]
@@ -259,11 +331,11 @@ def _build_split(cfg, teacher, device, encoding, split: str, packed: tuple[np.nd
         writer.submit(split, name, base, selected, span)
 
 
-def _header(cfg: CacheBuildConfig, files: list[Path], identity: dict, tokenizer, vocab: int, encoding) -> dict:
+def _header(cfg: CacheBuildConfig, corpus: str, identity: dict, tokenizer, vocab: int, encoding) -> dict:
     return {"schema_version": SCHEMA_VERSION, "teacher": identity,
             "tokenizer_sha256": models.tokenizer_hash(tokenizer), "vocab_size": vocab, "seq_len": cfg.seq_len,
             "encoding": encoding.params(), "teacher_dtype": cfg.dtype, "matmul_precision": cfg.matmul_precision,
-            "corpus_sha256": data.corpus_fingerprint(files),
+            "corpus_sha256": corpus,
             "builder": {"version": __version__, "args": {k: v for k, v in asdict(cfg).items()
                                                          if k not in ("rank", "resume", "overwrite")}}}
 
@@ -296,7 +368,7 @@ def merge_manifests(path: str | Path, log: Callable[[str], None] = print) -> Pat
                          "shards": shards}
         if sum(len(range(*sh["rows"])) for sh in shards) != splits[split]["sequences"]:
             raise ValueError(f"{out}: the {split} shards do not cover its {splits[split]['sequences']} sequences")
-    manifest = {**partials[0]["header"], "world_size": world, "splits": splits,
+    manifest = {**owner_stamp("cache"), **partials[0]["header"], "world_size": world, "splits": splits,
                 "build_seconds": max(p["seconds"] for p in partials)}
     atomic_write_json(out / MANIFEST, manifest)
     log(f"wrote {out / MANIFEST}")

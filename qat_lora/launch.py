@@ -34,6 +34,7 @@ from typing import Callable
 from . import device as dev
 from .config import TrainConfig, to_argv
 from .config_data import CacheBuildConfig
+from .files import FolderLock
 
 
 def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:
@@ -138,16 +139,37 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
     torch_xla.launch replicas (rank = global ordinal); elsewhere one process each (gloo-free: RANK/WORLD_SIZE
     only), which is also how XLA:CPU runs them. Returns the manifest (or, on one host of several, its folder).
 
+    This process holds the lock on --out (files.FolderLock) for the whole build, merge included; a builder that
+    a launcher started (WORLD_SIZE > 1: ours, whose lock it cannot take again, or torchrun's, whose hosts may
+    share one folder) takes none.
+
     Raises:
-        ValueError: a builder failed (its own error was printed above), or a bad --num-chips.
+        ValueError: a builder failed (its own error was printed above), a bad --num-chips, or another command
+            writing --out.
+        SystemExit: 128 + the signal after SIGTERM / SIGINT (--resume continues the build).
     """
-    from .cache_build import build_cache, merge_manifests, prepare_out, unfinished_ranks
+    from .cache_build import build_cache, check_out_path
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return build_cache(replace(cfg, num_chips=1), log)
+    check_out_path(cfg)  # before the lock, which would create the folder inside an input
+    with FolderLock(cfg.out, "--out"):
+        return _build_locked(cfg, log)
+
+
+def _build_locked(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
+    from .cache_build import build_cache, clear_debris, merge_manifests, prepare_out, unfinished_ranks
 
     chips = chips_to_use(cfg.num_chips, cfg.device)
-    if chips == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if chips == 1:
         return build_cache(replace(cfg, num_chips=1), log)
-    if cfg.overwrite:  # once, here: a builder clearing the folder would delete the shards of those started before it
+    # Once, here, before any builder starts: a builder clearing the folder (--overwrite) or every rank's debris of
+    # a killed build would delete the files of those started before it. Other hosts may be writing a shared
+    # folder: there each builder clears only its own rank's debris.
+    if cfg.overwrite:
         prepare_out(cfg)
+    elif cfg.world_size == 1:
+        clear_debris(cfg, every_rank=True)
     one = replace(cfg, num_chips=1, overwrite=False)
     if dev.wants_xla(cfg.device) and dev.tpu_present():
         import torch_xla
@@ -156,22 +178,32 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
         log(f"building on {chips} TPU chips (torch_xla replicas)")
         torch_xla.launch(_build_rank, args=(one, chips))
     else:
-        if dev.wants_xla(cfg.device):
-            # XLA:CPU: torch_xla.launch would run the builders as threads of this process, which race on
-            # transformers' lazy imports (measured: ImportError) and share one set of counters; processes do not.
-            os.environ.update(PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), CPU_NUM_DEVICES="1")
-        log(f"building on {chips} local processes")
-        cmd = [sys.executable, "-m", "qat_lora.cli", "build-cache", *to_argv(one)]
-        code = launch_local(cmd, chips, log=log).exit_code()
-        if code:
-            raise ValueError(f"--num-chips {chips}: a builder exited with {code} (its error is above); rerun with "
-                             "--resume to continue after the shards already written")
+        _build_local(one, chips, log)
     missing = unfinished_ranks(Path(cfg.out))
     if missing:
         log(f"ranks {missing[0]}..{missing[-1]} of this build are not done (other hosts): once they are, run "
             f"`qat-lora cache merge {cfg.out}`")
         return Path(cfg.out)
     return merge_manifests(cfg.out, log)
+
+
+def _build_local(cfg: CacheBuildConfig, chips: int, log: Callable[[str], None]) -> None:
+    """`chips` builder processes (launch_local). A stop signal forwarded to them ends this process with 128 + the
+    signal once they have stopped; a builder that failed or was killed from outside is a failure."""
+    if dev.wants_xla(cfg.device):
+        # XLA:CPU: torch_xla.launch would run the builders as threads of this process, which race on
+        # transformers' lazy imports (measured: ImportError) and share one set of counters; processes do not.
+        os.environ.update(PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), CPU_NUM_DEVICES="1")
+    log(f"building on {chips} local processes")
+    exits = launch_local([sys.executable, "-m", "qat_lora.cli", "build-cache", *to_argv(cfg)], chips, log=log)
+    code = exits.exit_code()
+    if exits.failed:
+        raise ValueError(f"--num-chips {chips}: a builder exited with {code} (its error is above); rerun with "
+                         "--resume to continue after the shards already written")
+    if any(exits.codes):  # not failed: every builder that did not finish stopped cleanly (STOP_CODES)
+        log(f"stopped by {signal.Signals(code - 128).name}; rerun the same command with --resume to continue after "
+            "the shards already written")
+        raise SystemExit(code)
 
 
 def _build_rank(index: int, cfg: CacheBuildConfig, chips: int) -> None:

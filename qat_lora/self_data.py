@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from . import data, device as dev, models
 from .config import field_defaults
 from .config_data import GenerateDataConfig
-from .files import atomic_write_json
+from .files import FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record
 
 REPORT_FILE = "generate.json"
 SHARD = "part-{index:05d}.jsonl"
@@ -101,6 +102,26 @@ def _sample(model, tokenizer, prompt_ids: list[list[int]], cfg: GenerateDataConf
     return continuations
 
 
+def _sample_shard(cfg: GenerateDataConfig, model, tokenizer, prompts: list[str], chat: bool, device: torch.device,
+                  index: int, budget: int) -> tuple[list[str], list[int]]:
+    """Shard `index`'s jsonl lines and generated tokens per sample; it stops at the first batch that meets the
+    remaining `budget` (the last shard is then a prefix of a full one)."""
+    first = index * cfg.shard_samples
+    shard_prompts = [prompts[i % len(prompts)] for i in range(first, first + cfg.shard_samples)]
+    lines, counts = [], []
+    for b in range(0, len(shard_prompts), cfg.batch_size):
+        if sum(counts) >= budget:
+            break
+        chunk = shard_prompts[b:b + cfg.batch_size]
+        # Batch seeds: one per (shard, batch); shard_samples <= 1000 (config) keeps them distinct.
+        for prompt, ids in zip(chunk, _sample(model, tokenizer, _encode(tokenizer, chunk, chat), cfg, device,
+                                              cfg.seed + 1000 * index + b)):
+            record = _record(prompt, tokenizer.decode(ids, skip_special_tokens=True), chat)
+            lines.append(json.dumps({**record, "tokens": len(ids)}, ensure_ascii=False))
+            counts.append(len(ids))
+    return lines, counts
+
+
 def _record(prompt: str, continuation: str, chat: bool) -> dict:
     if chat:
         return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": continuation}]}
@@ -120,24 +141,54 @@ def _shard_tokens(path: Path) -> list[int]:
         raise ValueError(f"{path}: not a generate-data shard ({e}); delete it to generate it again") from None
 
 
-def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
-    """Refuse a folder holding other files or a corpus generated with other settings (never mix two corpora)."""
+# Every name generate-data writes in its folder: the report, the shards, and their temp files.
+_OWN_FILE = re.compile(r"(generate\.json|part-\d{5}\.jsonl)(\.tmp)?")
+
+
+def _check_out_path(out: Path, cfg: GenerateDataConfig) -> None:
+    """--out a folder apart from every input: checked before its lock is taken (which creates it)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file; pass a folder")
+    check_out_apart_from_inputs(out, {"--model": cfg.model, "--data": cfg.data, "--prompts": cfg.prompts})
+
+
+def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
+    """Refuse a folder holding anything generate-data did not write, or a corpus generated with other settings
+    (never mix two corpora, never write among a user's files)."""
+    foreign = sorted(p.name for p in out.iterdir() if not (_OWN_FILE.fullmatch(p.name) and p.is_file())) \
+        if out.exists() else []
+    if foreign:
+        raise ValueError(f"--out {out}: holds other files ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}"
+                         "); pass an empty or new folder")
     report = out / REPORT_FILE
-    if report.exists():
-        # The budget may grow: shard i does not depend on it, so a larger --tokens continues the corpus.
-        saved = {**field_defaults(GenerateDataConfig), **json.loads(report.read_text())["config"]}  # older reports
-        if {**saved, "tokens": cfg.tokens} != asdict(cfg):
-            raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder")
-    elif out.exists() and any(p.name != REPORT_FILE and not p.name.startswith("part-") for p in out.iterdir()):
-        raise ValueError(f"--out {out}: holds other files; pass an empty or new folder")
+    if not report.exists():
+        return
+    # Reports from before the stamp existed are recognised by their keys.
+    if not owned_by(report, "generate-data", legacy_keys=("config", "complete")) or \
+            not isinstance(read_record(report).get("config"), dict):
+        raise ValueError(f"--out {out}: holds a {REPORT_FILE} that generate-data did not write; pass an empty or new "
+                         "folder")
+    # The budget may grow: shard i does not depend on it, so a larger --tokens continues the corpus.
+    saved = {**field_defaults(GenerateDataConfig), **read_record(report)["config"]}  # older reports lack later flags
+    if {**saved, "tokens": cfg.tokens} != asdict(cfg):
+        raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder")
 
 
 def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -> dict:
-    """Write the corpus (resuming a stopped run) and return its report (also `out/generate.json`)."""
+    """Write the corpus (resuming a stopped run) and return its report (also `out/generate.json`).
+
+    Raises:
+        ValueError: an --out that is a file, lies in or holds an input, holds other files or another corpus, or
+            that another command is writing now (FolderLock).
+    """
     out = Path(cfg.out)
-    _check_out(out, cfg)
+    _check_out_path(out, cfg)
+    with FolderLock(out, "--out"):  # a second generate-data into this folder fails at once instead of mixing
+        _check_out(out, cfg)
+        return _generate(cfg, out, log)
+
+
+def _generate(cfg: GenerateDataConfig, out: Path, log: Callable[[str], None]) -> dict:
     tokenizer = models.load_tokenizer(cfg.model)
     # Corpus prompts for a few times the samples a full-length budget needs; an early EOS (short answers)
     # needs more samples, and the prompts then cycle with fresh seeds.
@@ -147,7 +198,7 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
     model.to(device).eval()
     out.mkdir(parents=True, exist_ok=True)
     # The settings first, so a rerun with others is refused, not mixed.
-    atomic_write_json(out / REPORT_FILE, {"config": asdict(cfg), "complete": False})
+    atomic_write_json(out / REPORT_FILE, {**owner_stamp("generate-data"), "config": asdict(cfg), "complete": False})
     # Shards of shard_samples samples until the token budget is met: shard i's prompts (samples i*n ..) and
     # seeds depend only on i, so a rerun skips the finished shards and continues exactly where it stopped.
     started, tokens, samples, index = time.perf_counter(), 0, 0, 0
@@ -157,19 +208,7 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
             done = _shard_tokens(path)
             tokens, samples, index = tokens + sum(done), samples + len(done), index + 1
             continue
-        first = index * cfg.shard_samples
-        shard_prompts = [prompts[i % len(prompts)] for i in range(first, first + cfg.shard_samples)]
-        lines, counts = [], []
-        for b in range(0, len(shard_prompts), cfg.batch_size):
-            if tokens + sum(counts) >= cfg.tokens:  # the last shard stops at the budget (a prefix of a full shard)
-                break
-            chunk = shard_prompts[b:b + cfg.batch_size]
-            # Batch seeds: one per (shard, batch); shard_samples <= 1000 (config) keeps them distinct.
-            for prompt, ids in zip(chunk, _sample(model, tokenizer, _encode(tokenizer, chunk, chat), cfg, device,
-                                                  cfg.seed + 1000 * index + b)):
-                record = _record(prompt, tokenizer.decode(ids, skip_special_tokens=True), chat)
-                lines.append(json.dumps({**record, "tokens": len(ids)}, ensure_ascii=False))
-                counts.append(len(ids))
+        lines, counts = _sample_shard(cfg, model, tokenizer, prompts, chat, device, index, cfg.tokens - tokens)
         tokens += sum(counts)
         if not any(counts):
             raise ValueError(f"--model {cfg.model}: every sample of {path.name} ended at once (EOS first); use "
@@ -179,8 +218,9 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
         os.replace(tmp, path)
         samples, index = samples + len(lines), index + 1
         log(f"{path.name}: {len(lines)} samples, {tokens:,} tokens so far ({time.perf_counter() - started:.0f} s)")
-    report = {"config": asdict(cfg), "complete": True, "prompts": len(prompts), "chat": chat, "samples": samples,
-              "shards": index, "generated_tokens": tokens, "seconds": round(time.perf_counter() - started, 1)}
+    report = {**owner_stamp("generate-data"), "config": asdict(cfg), "complete": True, "prompts": len(prompts),
+              "chat": chat, "samples": samples, "shards": index, "generated_tokens": tokens,
+              "seconds": round(time.perf_counter() - started, 1)}
     atomic_write_json(out / REPORT_FILE, report)
     log(f"{tokens:,} generated tokens in {samples} samples: {out} (build a cache with --data {out}"
         + (" --chat)" if chat else ")"))
