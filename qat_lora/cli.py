@@ -261,13 +261,19 @@ def main(argv: Sequence[str] | None = None, script: str | None = None, defaults:
     from .files import first_line
     from .runs import RunDiverged
 
-    if args.command not in ("plot", "presets"):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
     prefix = f"{script or 'qat-lora ' + args.command}: error: "
     try:
+        if args.command not in ("plot", "presets"):
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
         code = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C while a model loads or a command runs (train saves on its own signal handler)
+        print(prefix + "interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except MemoryError:  # an allocation the host cannot hold: the flags' sizes, not a bug in the code
+        print(prefix + "out of host memory; lower --batch-size, --seq-len or the token budget", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError, AssetError) as e:
         # User errors end in one line naming the flag or file and the fix; tracebacks are for bugs.
         print(prefix + first_line(e), file=sys.stderr)

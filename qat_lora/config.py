@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .data import TextDecoding
-from .device import MATMUL_PRECISIONS, PRECISIONS
+from . import models
+from .config_checks import (check_adapter, check_gguf_export, check_output_file, check_quantizer_file, model_context,
+                            require_device, require_non_negative, require_positive, require_precision, require_seed)
+from .data import TextDecoding, list_text_files
+from .files import check_out_apart_from_inputs
+from .device import MATMUL_PRECISIONS
 from .loss import KDLossConfig
 from .quant import get_preset
 from .runs import recorded_quant
+
+# The names config_data.py imports.
+_require_positive, _require_non_negative = require_positive, require_non_negative
 
 # What each training preset trains: LoRA adapters over the frozen quantised base, the quantiser's own
 # parameters (scales, zeros, codebooks, low-rank scale factors; LSQ-style), the latent weights themselves
@@ -28,24 +34,6 @@ TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
 }
 PARALLEL_MODES = ("auto", "processes", "spmd", "fsdp")
 STORAGE_DTYPES = ("fp32", "bf16")
-
-
-def _require_positive(cfg, *names: str) -> None:
-    """One-line errors for flags that must be > 0 (NaN included: `not x > 0`)."""
-    for name in names:
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be positive")
-
-
-def _require_non_negative(cfg, *names: str, note: str = "") -> None:
-    for name in names:
-        if not getattr(cfg, name) >= 0:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0{note}")
-
-
-def _require_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
 
 
 @dataclass
@@ -81,10 +69,10 @@ class StudentSpec:
         if self.quantizer and not self.quant:
             raise ValueError("--quantizer needs --quant: it belongs to a quantised student (pass the run's --quant)")
         self._check_quantizer_file()
+        models.check_model(self.model)  # a missing folder or a damaged config.json, in milliseconds
 
     def _check_quantizer_file(self) -> None:
-        if self.quantizer and not Path(self.quantizer).is_file():
-            raise ValueError(f"--quantizer {self.quantizer}: no such file; pass a qat run's quantizer.safetensors")
+        check_quantizer_file(self.quantizer)
 
     def quant_from_run(self) -> None:
         """Eval and export read --quant from the run that wrote --adapter / --quantizer (not re-typed): an empty
@@ -122,7 +110,7 @@ class TrainConfig(StudentSpec):
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (never applied to latent weights)"})
     weight_lr_ratio: float = field(default=0.1, metadata={"help": "weight-qat: learning rate of the latent weights "
                                                                   "as a fraction of --lr"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (inf: no clipping)"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
     temperature: float = field(default=1.0, metadata={"help": "KD temperature"})
@@ -176,11 +164,20 @@ class TrainConfig(StudentSpec):
                              "number of positions")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"--matmul-precision {self.matmul_precision!r}: choose one of {', '.join(MATMUL_PRECISIONS)}")
-        _require_precision(self.precision)
-        _require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps")
-        _require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
-        _require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", note=" (0 = off)")
-        _require_positive(self, "lr", "weight_lr_ratio")
+        require_precision(self.precision)
+        require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps")
+        require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
+        require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", note=" (0 = off)")
+        require_positive(self, "lr", "weight_lr_ratio", "lora_alpha", "temperature", "dist_timeout_s", finite=True)
+        # clip_grad_norm_ scales by max_norm / norm capped at 1: a negative norm reverses the update, 0 erases it;
+        # inf is a valid "no clipping" (the factor caps at 1).
+        require_positive(self, "max_grad_norm", "lora_r")
+        require_non_negative(self, "warmup_steps")
+        require_non_negative(self, "weight_decay", finite=True)
+        require_seed(self.seed)
+        require_device(self.device)
+        if self.dist_timeout_s > 1e9:  # a datetime.timedelta overflows past ~8.6e13 s: a traceback at set-up
+            raise ValueError(f"--dist-timeout-s {self.dist_timeout_s}: at most 1e9 seconds")
         if not 0.0 < self.min_lr_ratio <= 1.0:
             # A floor of exactly 0 would also make the last step's lr a special XLA scalar (a recompile).
             raise ValueError(f"--min-lr-ratio {self.min_lr_ratio}: must be in (0, 1]")
@@ -235,12 +232,26 @@ class EvalConfig(TextInput, StudentSpec):
     def __post_init__(self) -> None:
         if not self.text and not self.cache:
             raise ValueError("eval: pass --text (perplexity) and/or --cache (KD metrics)")
+        require_positive(self, "seq_len", "batch_size")
+        require_non_negative(self, "max_tokens", note=" (0 = all)")
+        require_device(self.device)
+        check_adapter(self.adapter)
         self.quant_from_run()
         if self.adapter and not self.quant:
             raise ValueError("--adapter needs --quant: it belongs to a quantised student (pass the run's --quant)")
         self.text_decoding()
-        _require_precision(self.precision)
+        require_precision(self.precision)
         super().__post_init__()
+        if self.text:
+            list_text_files(self.text, "--text")  # a typo in --text fails before the model loads
+            limit = model_context(self.model)
+            if limit is not None and self.seq_len > limit:
+                raise ValueError(f"--seq-len {self.seq_len}: longer than the model's context ({limit} positions)")
+        check_output_file(self.json_out, "--json-out")
+        if self.json_out:  # e.g. a file inside --model's folder, or --quantizer itself
+            check_out_apart_from_inputs(self.json_out, {"--model": self.model, "--adapter": self.adapter,
+                                                        "--quantizer": self.quantizer, "--cache": self.cache,
+                                                        "--text": self.text}, "--json-out")
 
 
 DATA_INITS = ("none", "act", "gptq")
@@ -272,8 +283,9 @@ class QuantizeConfig(StudentSpec):
             raise ValueError(f"--init {self.init} needs --cache: its training split calibrates the init")
         if self.blockwise_steps and not self.cache:
             raise ValueError("--blockwise-steps needs --cache: the blocks are fitted on its training split")
-        _require_positive(self, "calib_sequences", "batch_size", "blockwise_lr", "blockwise_quant_lr")
-        _require_non_negative(self, "blockwise_steps")
+        require_positive(self, "calib_sequences", "batch_size")
+        require_positive(self, "blockwise_lr", "blockwise_quant_lr", finite=True)
+        require_non_negative(self, "blockwise_steps")
         if self.blockwise_steps and self.batch_size > self.calib_sequences:
             raise ValueError(f"--batch-size {self.batch_size}: block-wise steps draw batches from the "
                              f"{self.calib_sequences} --calib-sequences; use at most that many")
@@ -326,10 +338,11 @@ class RecoverConfig(StudentSpec):
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         if self.qat not in QAT_STAGES:
             raise ValueError(f"--qat {self.qat!r}: choose one of {', '.join(QAT_STAGES)}")
-        _require_positive(self, "calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps",
-                          "qat_lr", "weight_lr", "lr")
-        _require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
-        _require_positive(self, "blockwise_lr", "blockwise_quant_lr")
+        require_positive(self, "calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps")
+        require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
+        require_positive(self, "qat_lr", "weight_lr", "lr", "blockwise_lr", "blockwise_quant_lr", finite=True)
+        require_seed(self.seed)
+        require_device(self.device)  # it reaches the device only in stage 2, after the init has run
         if not self.quant:
             raise ValueError("--quant is required: the quantisation preset to recover")
         if self.quantizer:
@@ -375,21 +388,34 @@ class ExportConfig(StudentSpec):
             raise ValueError("--resnap-steps needs --merge-adapter and --cache (it trains the merged weights on it)")
         if self.resnap_preset not in ("weight-qat", "qat"):
             raise ValueError(f"--resnap-preset {self.resnap_preset!r}: choose weight-qat or qat")
-        _require_non_negative(self, "resnap_steps", note=" (0 = off)")
+        require_non_negative(self, "resnap_steps", note=" (0 = off)")
+        require_positive(self, "batch_size")
+        require_positive(self, "resnap_lr", finite=True)
         for flag in ("merge_adapter", "merge_fp", "cache"):
             if getattr(self, flag) and not self.adapter:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --adapter (the run's adapter/ folder)")
         if not self.model:
             raise ValueError("--model is required: the full-precision model folder, .gguf file or hub name")
+        check_adapter(self.adapter)
         self.quant_from_run()
         if not self.quant:
             raise ValueError("--quant is required for export: the preset the student was trained with (read from "
                              "the run when --adapter or --quantizer comes from one)")
         super().__post_init__()
+        self._check_format()
+        if self.cache:
+            from .cache import KDCache
+
+            KDCache(self.cache)  # its manifest: a wrong folder fails now, not after the student is built
+
+    def _check_format(self) -> None:
+        """What the writers would refuse once the student is built, found from the flags and config.json."""
         if self.format == "compressed-tensors":
             from .export_ct import check_supported
 
             check_supported(get_preset(self.quant), self.quant)
+        if self.format == "gguf":
+            check_gguf_export(self.model)
 
 
 @dataclass
@@ -407,10 +433,13 @@ class GenerateConfig(StudentSpec):
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu (XLA: static KV cache)"})
 
     def __post_init__(self) -> None:
-        _require_positive(self, "max_new_tokens")
-        _require_non_negative(self, "temperature")
+        require_positive(self, "max_new_tokens")
+        require_non_negative(self, "temperature", finite=True)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
+        require_seed(self.seed)
+        require_device(self.device)
+        check_adapter(self.adapter)
         super().__post_init__()
 
 
@@ -436,8 +465,10 @@ class DemoConfig:
         get_preset(self.quant)
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
-        _require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size", "lr",
-                          "lora_r", "calib_sequences")
+        require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
+                         "lora_r", "calib_sequences")
+        require_positive(self, "lr", finite=True)
+        require_device(self.device)
 
 
 def field_defaults(cls) -> dict:

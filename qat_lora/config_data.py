@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from .config import TextInput, _require_non_negative, _require_positive
+from .config_checks import require_seed
 from .device import MATMUL_PRECISIONS
 from .encodings import SampledEncoding, TopKEncoding
 
@@ -48,6 +49,7 @@ class GenerateDataConfig(TextInput):
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.shard_samples > 1000:  # batch seeds are seed + 1000 * shard + batch start: keep them distinct
             raise ValueError(f"--shard-samples {self.shard_samples}: at most 1000")
+        require_seed(self.seed)
         self.text_decoding()
 
 

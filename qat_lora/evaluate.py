@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from . import data, device as dev, models
+from . import device as dev, models
 from .cache import KDCache
 from .config import EvalConfig
 from .files import atomic_write_json
@@ -16,9 +16,8 @@ from .student import load_student, resolve_attn
 
 
 def evaluate(cfg: EvalConfig, log=print) -> dict:
-    """Run the metrics `cfg` asks for; returns (and optionally writes) a JSON-ready dict."""
-    if cfg.text:
-        data.list_text_files(cfg.text, "--text")  # a typo in --text fails before the model loads
+    """Run the metrics `cfg` asks for; returns (and optionally writes) a JSON-ready dict. EvalConfig has checked
+    the flags, --text, --adapter, --quantizer and --json-out already."""
     cache = KDCache(cfg.cache) if cfg.cache else None  # a bad cache fails before the model loads, too
     device = dev.resolve_device(cfg.device)
     if dev.is_xla(device):

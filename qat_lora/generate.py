@@ -11,8 +11,9 @@ default (`--temperature` > 0 samples). On XLA the KV cache is static (transforme
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import codecs
+import contextlib
+import sys
 from typing import Callable
 
 import torch
@@ -21,20 +22,30 @@ from . import device as dev, models
 from .config import GenerateConfig
 from .student import load_student
 
+
 def load_generator(cfg: GenerateConfig):
     """(model, tokenizer) for `cfg`: the student built from model + preset + quantiser + adapter, a packed
-    export, or any folder / .gguf transformers loads (quant empty)."""
+    export, or any folder / .gguf transformers loads (quant empty). The tokenizer loads first: a missing chat
+    template is reported before the model's minutes of loading, not after."""
     from .export import PACKED_MODEL_TYPE, load_packed
 
-    config_file = Path(cfg.model) / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") == PACKED_MODEL_TYPE:
+    tokenizer = models.load_tokenizer(cfg.model)
+    if not cfg.raw:
+        _require_chat_template(tokenizer)
+    config = models.read_model_config(cfg.model) or {}  # names a damaged config.json
+    if config.get("model_type") == PACKED_MODEL_TYPE:
         from .lora import load_recovery_lora
 
         model = load_packed(cfg.model)
         model = load_recovery_lora(model, cfg.adapter) if cfg.adapter else model
     else:
         model = load_student(cfg.student_spec(), cfg.adapter)
-    return model.eval(), models.load_tokenizer(cfg.model)
+    return model.eval(), tokenizer
+
+
+def _require_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; pass --raw to send the prompt as plain text")
 
 
 def encode_prompt(tokenizer, messages: list[dict], raw: bool) -> torch.Tensor:
@@ -46,8 +57,7 @@ def encode_prompt(tokenizer, messages: list[dict], raw: bool) -> torch.Tensor:
     """
     if raw:
         return tokenizer(messages[-1]["content"], return_tensors="pt").input_ids
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; pass --raw to send the prompt as plain text")
+    _require_chat_template(tokenizer)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     return ids["input_ids"]
 
@@ -107,6 +117,48 @@ def generate(cfg: GenerateConfig, on_text: Callable[[str], None] = _print_piece)
     return new
 
 
+class _ReplacedInput:
+    """A codec error handler for stdin: undecodable bytes become U+FFFD and are reported once on stderr, so a
+    pasted line in another encoding does not end the chat in a UnicodeDecodeError."""
+
+    NAME = "qat-lora-chat-replace"
+
+    def __init__(self) -> None:
+        self.seen = self.told = False
+        codecs.register_error(self.NAME, self)
+
+    def __call__(self, error: UnicodeDecodeError) -> tuple[str, int]:
+        self.seen = True
+        return "\ufffd", error.end
+
+    def tell_once(self) -> None:
+        if self.seen and not self.told:
+            self.told = True
+            encoding = getattr(sys.stdin, "encoding", None) or "utf-8"
+            print(f"qat-lora chat: warning: the input is not {encoding}; its undecodable bytes were replaced by "
+                  "U+FFFD (set PYTHONIOENCODING to the terminal's encoding)", file=sys.stderr)
+
+
+_REPLACED = _ReplacedInput()
+
+
+@contextlib.contextmanager
+def _tolerant_stdin():
+    """sys.stdin decoding with `_REPLACED` for the chat's duration (input() keeps its line editing)."""
+    stdin = sys.stdin
+    errors = getattr(stdin, "errors", None)
+    _REPLACED.seen = _REPLACED.told = False  # said once per conversation
+    # reconfigure() refuses while decoded input is buffered (a caller read stdin before; lines left after /exit):
+    # then stdin stays as it was, or keeps replacing once the chat is over.
+    with contextlib.suppress(AttributeError, ValueError):
+        stdin.reconfigure(errors=_REPLACED.NAME)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError, ValueError):
+            stdin.reconfigure(errors=errors)
+
+
 def chat(cfg: GenerateConfig, read: Callable[[str], str] = input,
          on_text: Callable[[str], None] = _print_piece) -> None:
     """`qat-lora chat`: a conversation on stdin; an empty line, /exit or end of input stops."""
@@ -114,12 +166,19 @@ def chat(cfg: GenerateConfig, read: Callable[[str], str] = input,
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_generator(cfg)
     model = model.to(device)
+    with _tolerant_stdin():
+        _converse(model, tokenizer, cfg, device, read, on_text)
+
+
+def _converse(model, tokenizer, cfg: GenerateConfig, device: torch.device, read: Callable[[str], str],
+              on_text: Callable[[str], None]) -> None:
     messages: list[dict] = [{"role": "system", "content": cfg.system}] if cfg.system else []
     while True:
         try:
             line = read("> ").strip()
         except EOFError:
             break
+        _REPLACED.tell_once()
         if line in ("", "/exit"):
             break
         messages.append({"role": "user", "content": line})

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import device as dev
-from .files import first_line
+from .files import first_line, sha256_file
 
 
 def _looks_like_path(name: str) -> bool:
@@ -21,20 +21,66 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _location(name_or_path: str | Path) -> tuple[str, dict]:
-    """(what from_pretrained takes, extra kwargs); GGUF files are opened through their folder + gguf_file."""
+    """(what from_pretrained takes, extra kwargs); GGUF files are opened through their folder + gguf_file.
+
+    Raises:
+        ValueError: a path that is not a model, or whose config.json is damaged (read_model_config).
+    """
     name = str(name_or_path)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), {"gguf_file": path.name}
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"model {name}: folder has no config.json; pass a transformers model folder or a .gguf file")
+        read_model_config(name)  # a damaged config.json is named here, not in a message from deep inside transformers
         return str(path), {}
     if path.is_file():
         raise ValueError(f"model {name}: a file, not a model; pass a transformers model folder or a .gguf file")
     if path.exists() or _looks_like_path(name):
         raise ValueError(f"model {name}: no such model folder or .gguf file")
     return name, {}  # a hub name
+
+
+_RECOPY = "copy or download the model again"
+
+
+def read_model_config(name_or_path: str | Path) -> dict | None:
+    """The config.json of a model folder, checked (None for a .gguf file or a hub name): what commands read
+    before loading the model (its context length, its model_type), in milliseconds.
+
+    Raises:
+        ValueError: no config.json, or one that is not a JSON object with a model_type, naming the file.
+    """
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        return None
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"model {name}: folder has no config.json; pass a transformers model folder or a .gguf file")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"model {name}: cannot load: {file} is not valid JSON (truncated?); {_RECOPY}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        what = "has no model_type" if isinstance(config, dict) else "is not a JSON object"
+        raise ValueError(f"model {name}: cannot load: {file} {what}, so it is no transformers config; {_RECOPY}")
+    return config
+
+
+def check_model(name_or_path: str | Path) -> None:
+    """What a config checks before anything loads: the model exists and its config.json is sound."""
+    _location(name_or_path)
+
+
+def _damaged_json(name_or_path: str | Path) -> Path | None:
+    """The first .json file of a model folder that does not parse (a cut-short copy), if any."""
+    path = Path(name_or_path).expanduser()
+    for file in sorted(path.glob("*.json")) if path.is_dir() else []:
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return file
+    return None
 
 
 def load_tokenizer(name_or_path: str | Path):
@@ -45,6 +91,10 @@ def load_tokenizer(name_or_path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(location, **kwargs)
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file
+        damaged = _damaged_json(name_or_path)
+        if damaged is not None:  # transformers' own message names no file (a JSONDecodeError's position only)
+            raise ValueError(f"tokenizer of {name_or_path}: cannot load: {damaged} is not valid JSON (truncated?); "
+                             f"{_RECOPY}") from None
         raise ValueError(f"tokenizer of {name_or_path}: cannot load ({first_line(e)}); is the file complete?") from None
 
 
@@ -122,3 +172,62 @@ def head_weight_and_bias(head: nn.Module) -> tuple["torch.Tensor", "torch.Tensor
     """The effective output-projection weight (fake-quantised if the head was quantised) and bias."""
     weight = head.quantized_weight() if hasattr(head, "quantized_weight") else head.weight
     return weight, head.bias
+
+
+_SIGNATURE_ROWS = 8  # rows read per tensor: spread over it, so a fine-tune that touches any layer changes them
+
+
+def weights_signature(name_or_path: str | Path) -> str | None:
+    """A cheap identity of a model's weights as stored on disk, read without loading the model: sha256 over
+    every safetensors tensor's name, dtype, shape and 8 rows spread over it (a .gguf file: its size and 64
+    spread 16 KiB chunks). Two models of the same shapes differ in it; the same weights re-saved by another
+    library version do not. None for hub names, pickle checkpoints (nothing to read safely) and damaged files
+    (the model loader names those).
+
+    Quantiser and adapter files record it for the model they were made from; a run records it to refuse a
+    resume on other weights.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        return _weights_signature(Path(name_or_path).expanduser())
+    except (SafetensorError, OSError):
+        return None
+
+
+def _weights_signature(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    if path.is_file() and path.suffix == ".gguf":
+        size = path.stat().st_size
+        digest.update(str(size).encode())
+        with path.open("rb") as f:
+            for i in range(64):
+                f.seek(i * max(0, size - (1 << 14)) // 63)
+                digest.update(f.read(1 << 14))
+        return digest.hexdigest()
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    opened = [safe_open(str(f), "pt") for f in files]
+    names = sorted((name, i) for i, f in enumerate(opened) for name in f.keys())
+    for name, i in names:
+        part = opened[i].get_slice(name)
+        shape, dtype = part.get_shape(), part.get_dtype()
+        digest.update(f"{name}:{dtype}:{shape}".encode())
+        rows = sorted({r * (shape[0] - 1) // (_SIGNATURE_ROWS - 1) for r in range(_SIGNATURE_ROWS)}) if shape else []
+        for tensor in [part[r:r + 1] for r in rows] if shape and shape[0] else [opened[i].get_tensor(name)]:
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def input_identities(model: str, cache: str = "", quantizer: str = "") -> dict[str, str | None]:
+    """What a run's or an init's values depend on beyond its flags, cheaply identified (no model load): the
+    model's weights (weights_signature), the cache's manifest (it holds every shard's sha256) and the starting
+    quantiser's bytes; None for what is not given or cannot be read. Runs and inits record them; a resume or a
+    reuse on changed inputs is refused."""
+    manifest = Path(cache) / "manifest.json" if cache else None
+    return {"model": weights_signature(model),
+            "cache": sha256_file(manifest) if manifest and manifest.is_file() else None,
+            "quantizer": sha256_file(quantizer) if quantizer and Path(quantizer).is_file() else None}
