@@ -174,6 +174,26 @@ def find_resume_point(run_dir: Path, resume: str, log: Callable[[str], None] = p
     return Path(resume)
 
 
+# What a run's values depend on beyond its flags (train.run_inputs): the flag that names each, for the messages.
+INPUT_FLAGS = {"model": "--model", "cache": "--cache", "quantizer": "--quantizer"}
+
+
+def check_same_inputs(saved: dict | None, current: dict, path: Path, config: dict) -> None:
+    """Refuse to continue a run whose inputs changed since it was written: the same flags over another model's
+    weights, a rebuilt cache or another quantiser would mix two trainings in one result. A run written before
+    inputs were recorded (`saved` None) or an input that could not be identified (None) is not compared.
+
+    Raises:
+        ValueError: one line naming the flag, its path and the fix.
+    """
+    for key, flag in INPUT_FLAGS.items():
+        before, now = (saved or {}).get(key), current.get(key)
+        if before and now and before != now:
+            raise ValueError(f"--resume: {path.name} was trained on {flag} {config.get(key)} as it was then; its "
+                             "contents changed since (weights, shards or file differ); restore it, or pass "
+                             "--overwrite to start again, or choose a new --out")
+
+
 def check_resumable(saved: dict, current: dict, path: Path) -> None:
     """Refuse to resume with a config that would train different values; explain the first difference.
 

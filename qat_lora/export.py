@@ -31,7 +31,8 @@ from .config import ExportConfig, StudentSpec, TrainConfig
 from .export_merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
                            student_and_base_metrics)
 from .export_ct import CT_DIR, save_compressed_tensors
-from .files import apply_umask, atomic_write_json, save_safetensors
+from .files import (OWNER_KEY, FolderLock, apply_umask, atomic_write_json, check_out_apart_from_inputs, owned_by,
+                    owner_stamp, require_folder, save_safetensors)
 from .gguf_export import GGUF_DIR, save_gguf
 from .gguf_lora import save_gguf_lora
 from .student import build_student, load_student, save_adapter, save_quantizer_state
@@ -227,22 +228,42 @@ def save_dense(model: nn.Module, out_dir: str | Path, tokenizer=None) -> None:
     apply_umask(out_dir)  # transformers saves weights through safetensors' 0600 temp files
 
 
-def _prepare_out(cfg: ExportConfig) -> Path:
-    """An export never mixes with another: an earlier one is replaced only with --overwrite (only what an
-    export writes is removed), and a folder holding anything else is refused."""
+EXPORT_KIND, EXPORT_LEGACY_KEYS = "export", ("config", "quant_config")  # export.json, the ownership record
+
+
+def _check_out(cfg: ExportConfig) -> None:
+    """--out must be a folder apart from every input: checked before the export's lock creates it."""
+    require_folder(cfg.out, "the export")
+    check_out_apart_from_inputs(cfg.out, {"--model": cfg.model, "--adapter": cfg.adapter,
+                                          "--quantizer": cfg.quantizer, "--cache": cfg.cache})
+
+
+def _existing_export(cfg: ExportConfig) -> list[str]:
+    """What --out holds, once checked replaceable: an export never mixes with another; an earlier one is replaced
+    only with --overwrite and only when its export.json proves it an export; a folder holding anything else is
+    refused."""
     out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: is a file; pass a folder for the export")
     entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
     foreign = [name for name in entries if name not in EXPORT_ENTRIES]
     if foreign:
         raise ValueError(f"--out {out}: holds files an export did not write ({', '.join(foreign[:3])}); pass an "
                          "empty or new folder")
+    if entries and not owned_by(out / REPORT_FILE, EXPORT_KIND, EXPORT_LEGACY_KEYS):
+        raise ValueError(f"--out {out}: holds {', '.join(entries[:3])} but no export.json of a qat-lora export; "
+                         "pass an empty or new folder")
     if entries and not cfg.overwrite:
         raise ValueError(f"--out {out}: holds an earlier export; pass --overwrite to replace it or choose another "
                          "folder")
-    for name in entries:
+    return entries
+
+
+def _prepare_out(cfg: ExportConfig, entries: list[str]) -> Path:
+    """Remove the earlier export's entries (its record last) and write the new record first, so that an
+    interrupted export stays provably ours."""
+    out = Path(cfg.out)
+    for name in [e for e in entries if e != REPORT_FILE] + [REPORT_FILE] * (REPORT_FILE in entries):  # record last
         shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    atomic_write_json(out / REPORT_FILE, {**owner_stamp(EXPORT_KIND), "config": asdict(cfg), "complete": False})
     return out
 
 
@@ -277,7 +298,8 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
             info["merge_fp"] = recovery_verdict(measured, heldout_metrics(full, cfg.cache, cfg.batch_size),
                                                 "--merge-fp")
     if not cfg.merge_adapter:
-        save_adapter(peft_model, out / ADAPTER_DIR)  # PEFT's own names over the base's module names
+        # PEFT's own names over the base's module names; recorded as made over --model's weights
+        save_adapter(peft_model, out / ADAPTER_DIR, models.weights_signature(cfg.model))
         if cfg.format == "gguf":
             info["gguf"] = save_gguf_lora(peft_model, out / GGUF_DIR)
         return peft_model.unload(), info
@@ -310,7 +332,8 @@ def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Cal
         setattr(plain.get_submodule(parent) if parent else plain, child, linear)
     plain.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
-    save_quantizer_state(merged, work / "start-quantizer.safetensors")  # the base's scales and zeros
+    save_quantizer_state(merged, work / "start-quantizer.safetensors",  # the base's scales and zeros
+                         model_signature=models.weights_signature(work / "model"))
     spec = StudentSpec(str(work / "model"), cfg.quant, str(work / "start-quantizer.safetensors"))
     log(f"re-snap: {cfg.resnap_preset}, {cfg.resnap_steps} steps on {cfg.cache}")
     summary = train(TrainConfig(**asdict(spec), cache=cfg.cache, out=str(work / "run"), preset=cfg.resnap_preset,
@@ -325,10 +348,18 @@ def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Cal
 def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
     """Build the student (with its adapter), carry the adapter (beside or merged), write the artefacts;
     returns the report (also out/export.json) and logs what each folder holds and how to load it."""
-    out = _prepare_out(cfg)
-    tokenizer = models.load_tokenizer(cfg.model)
+    _check_out(cfg)
+    with FolderLock(cfg.out):
+        return _export(cfg, log)
+
+
+def _export(cfg: ExportConfig, log: Callable[[str], None]) -> dict:
+    entries = _existing_export(cfg)
+    tokenizer = models.load_tokenizer(cfg.model)  # the inputs load before anything is removed
     student = load_student(cfg.student_spec(), cfg.adapter)
-    report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant))}
+    out = _prepare_out(cfg, entries)
+    report: dict = {**owner_stamp(EXPORT_KIND), "config": asdict(cfg), "complete": True,
+                    "quant_config": quant_config_dict(get_preset(cfg.quant))}
     if cfg.adapter:
         student, report["adapter"] = _carry_adapter(cfg, student, out, tokenizer, log)
     report["bits_per_weight"] = bits_per_weight(student)
@@ -347,7 +378,7 @@ def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
         save_dense(student, out / DENSE_DIR, tokenizer)
     report["folders"] = {name: FOLDER_HELP[name] for name in FOLDER_HELP if (out / name).exists()}
     atomic_write_json(out / REPORT_FILE, report)
-    summary = {k: v for k, v in report.items() if k not in ("config", "folders")}
+    summary = {k: v for k, v in report.items() if k not in ("config", "folders", OWNER_KEY, "complete")}
     if "gguf" in summary:  # per-layer errors stay in export.json; the console gets the totals
         summary["gguf"] = {k: v for k, v in summary["gguf"].items() if k != "layers"}
     log(json.dumps(summary, indent=2))

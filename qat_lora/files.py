@@ -121,7 +121,8 @@ def owned_by(record_path: str | Path, kind: str, legacy_keys: Collection[str] = 
     return bool(legacy_keys) and "model_type" not in record and all(k in record for k in legacy_keys)
 
 
-def check_out_apart_from_inputs(out: str | Path, inputs: Mapping[str, str | Path | Collection[str]]) -> None:
+def check_out_apart_from_inputs(out: str | Path, inputs: Mapping[str, str | Path | Collection[str]],
+                                flag: str = "--out") -> None:
     """Refuse an --out that equals, contains or lies inside an input (`{"--model": path, ...}`): writing or
     clearing it would change or delete that input. Inputs that are not paths on disk (hub names, "") pass.
 
@@ -129,7 +130,7 @@ def check_out_apart_from_inputs(out: str | Path, inputs: Mapping[str, str | Path
         ValueError: naming --out, the input flag and the fix.
     """
     out_path = Path(out).expanduser().resolve()
-    for flag, values in inputs.items():
+    for name, values in inputs.items():
         for value in ([values] if isinstance(values, (str, Path)) else values):
             if not value or not Path(value).expanduser().exists():
                 continue
@@ -142,8 +143,8 @@ def check_out_apart_from_inputs(out: str | Path, inputs: Mapping[str, str | Path
                 relation = "lies inside"
             else:
                 continue
-            raise ValueError(f"--out {out}: {relation} {flag} {value}; writing there would change the input, so "
-                             "choose an --out outside it")
+            raise ValueError(f"{flag} {out}: {relation} {name} {value}; writing there would change the input, so "
+                             f"choose a {flag} outside it")
 
 
 class FolderLock:

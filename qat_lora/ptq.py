@@ -14,7 +14,6 @@ train, eval and export load with `--quantizer`.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -27,7 +26,8 @@ from .cache import KDCache
 from .blockwise import reconstruct_blocks_
 from .calibration import activation_importance
 from .config import QuantizeConfig
-from .files import atomic_write_json, require_folder
+from .files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record,
+                    require_folder)
 from .gptq import gptq_
 from .quant import get_preset, quant_config_dict, quantize_
 from .runs import INIT_REPORT_FILE, QUANTIZER_FILE
@@ -54,11 +54,30 @@ def calibration_batches(cache_dir: str, sequences: int, batch_size: int) -> list
     return out
 
 
+INIT_KIND, INIT_LEGACY_KEYS = "init", ("config", "quant_config")  # quantize.json, the ownership record
+
+
 def init_is_current(cfg: QuantizeConfig) -> bool:
-    """Whether cfg.out already holds an init made with exactly these settings (state and report written)."""
-    report = Path(cfg.out) / REPORT_FILE
-    return (Path(cfg.out) / QUANTIZER_FILE).exists() and report.exists() and \
-        json.loads(report.read_text())["config"] == asdict(cfg)
+    """Whether cfg.out already holds an init made with exactly these settings from the same model weights and
+    cache (state and report written)."""
+    report = read_record(Path(cfg.out) / REPORT_FILE) or {}
+    inputs = report.get("inputs")
+    return (Path(cfg.out) / QUANTIZER_FILE).exists() and report.get("config") == asdict(cfg) and \
+        report.get("complete", True) and (inputs is None or inputs == models.input_identities(cfg.model, cfg.cache))
+
+
+def _check_out(cfg: QuantizeConfig) -> Path:
+    """--out apart from the inputs; an init there is replaced only with --overwrite and only when its
+    quantize.json proves it one (a user's quantizer.safetensors is never overwritten)."""
+    out = require_folder(cfg.out, "the init")
+    check_out_apart_from_inputs(out, {"--model": cfg.model, "--cache": cfg.cache})
+    if (out / QUANTIZER_FILE).exists() or (out / REPORT_FILE).exists():
+        if not owned_by(out / REPORT_FILE, INIT_KIND, INIT_LEGACY_KEYS):
+            raise ValueError(f"--out {out}: holds a {QUANTIZER_FILE} or {REPORT_FILE} that `qat-lora quantize` did "
+                             "not write; choose another folder")
+        if not cfg.overwrite:
+            raise ValueError(f"--out {out}: holds an init already; pass --overwrite or choose another folder")
+    return out
 
 
 def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
@@ -68,9 +87,12 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
         ValueError: an existing init in --out without --overwrite, a cache from another tokenizer, too few
             calibration sequences.
     """
-    out = require_folder(cfg.out, "the init")
-    if (out / QUANTIZER_FILE).exists() and not cfg.overwrite:
-        raise ValueError(f"--out {out}: holds an init already; pass --overwrite or choose another folder")
+    out = _check_out(cfg)
+    with FolderLock(out):
+        return _quantize(cfg, out, log)
+
+
+def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None]) -> dict:
     calibrated = cfg.init != "none" or cfg.blockwise_steps > 0
     batches = calibration_batches(cfg.cache, cfg.calib_sequences, cfg.batch_size) if calibrated else []
     model = models.load_causal_lm(cfg.model)
@@ -79,7 +101,10 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
                                             models.max_positions(model))
     started = time.perf_counter()
     preset = get_preset(cfg.quant)
-    report: dict = {"config": asdict(cfg), "quant_config": quant_config_dict(preset)}
+    inputs = models.input_identities(cfg.model, cfg.cache)
+    report: dict = {**owner_stamp(INIT_KIND), "config": asdict(cfg), "inputs": inputs, "complete": False}
+    atomic_write_json(out / REPORT_FILE, report)  # the record first: an interrupted init stays provably ours
+    report = {**report, "complete": True, "quant_config": quant_config_dict(preset)}
     if cfg.init != "none" and preset.scheme != "kquant" and preset.zero_domain != "float":
         # Both data-aware inits fit group scales by the (weighted) clipping search, which is how the activation
         # weights act; under GPTQ min/max scales measured far worse (a probe on SmolLM2 w3g64, 32 calibration
@@ -100,7 +125,8 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
             model, teacher, batches, steps=cfg.blockwise_steps, lr_weights=cfg.blockwise_lr,
             lr_quant=cfg.blockwise_quant_lr, batch_size=cfg.batch_size, state_dir=out / BLOCKS_DIR, log=log)
     report["seconds"] = round(time.perf_counter() - started, 2)
-    save_quantizer_state(model, out / QUANTIZER_FILE, codes=cfg.init == "gptq" or cfg.blockwise_steps > 0)
+    save_quantizer_state(model, out / QUANTIZER_FILE, codes=cfg.init == "gptq" or cfg.blockwise_steps > 0,
+                         model_signature=inputs["model"])
     atomic_write_json(out / REPORT_FILE, report)
     log(f"{cfg.quant} + {cfg.init} init in {report['seconds']:.0f} s: {out / QUANTIZER_FILE}")
     return report

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Callable
 
 from .config import QuantizeConfig, RecoverConfig, TrainConfig
-from .files import atomic_write_json, require_folder
+from . import models
+from .files import FolderLock, atomic_write_json, check_out_apart_from_inputs, owner_stamp, read_record, require_folder
 from .ptq import REPORT_FILE, init_is_current, quantize
-from .runs import QUANTIZER_FILE
+from .runs import QUANTIZER_FILE, check_run_folder
 from .train import train
 
 SUMMARY_FILE = "recover.json"
@@ -38,8 +39,11 @@ def _init_stage(cfg: RecoverConfig, log: Callable[[str], None]) -> str:
     if init_is_current(init):
         log(f"stage 1 (init): done already, {Path(init.out) / QUANTIZER_FILE}")
         return str(Path(init.out) / QUANTIZER_FILE)
-    if (Path(init.out) / REPORT_FILE).exists():
-        raise ValueError(f"--out {cfg.out}: its init/ was made with other settings; use another --out")
+    report = read_record(Path(init.out) / REPORT_FILE)  # an interrupted init of these settings runs again
+    if report is not None and (report.get("config") != asdict(init) or report.get("inputs") not in (
+            None, models.input_identities(init.model, init.cache))):
+        raise ValueError(f"--out {cfg.out}: its init/ was made with other settings or from another --model or "
+                         "--cache (their contents changed); use another --out")
     quantize(init, log)
     return str(Path(init.out) / QUANTIZER_FILE)
 
@@ -55,8 +59,17 @@ def _train_stage(cfg: RecoverConfig, name: str, quantizer: str, log: Callable[[s
 
 
 def recover(cfg: RecoverConfig, log: Callable[[str], None] = print) -> dict:
-    """Run the stages cfg asks for; returns (and writes to out/recover.json) what to load afterwards."""
+    """Run the stages cfg asks for; returns (and writes to out/recover.json) what to load afterwards. Each stage
+    refuses a sub-folder it did not write; the whole --out is held against a second recover meanwhile."""
     require_folder(cfg.out, "the recovery run")
+    check_out_apart_from_inputs(cfg.out, {"--model": cfg.model, "--cache": cfg.cache})
+    with FolderLock(cfg.out):
+        return _recover(cfg, log)
+
+
+def _recover(cfg: RecoverConfig, log: Callable[[str], None]) -> dict:
+    for stage in ("qat", "lora"):  # before stage 1's minutes of work: a stage folder no run wrote is refused
+        check_run_folder(Path(cfg.out) / stage)
     quantizer = _init_stage(cfg, log)
     stages = {"init": quantizer}
     if cfg.qat != "none":
@@ -68,7 +81,7 @@ def recover(cfg: RecoverConfig, log: Callable[[str], None] = print) -> dict:
         lora = _train_stage(cfg, "lora", quantizer, log, preset="recovery-lora", max_steps=cfg.lora_steps, lr=cfg.lr,
                             lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, warmup_steps=max(1, cfg.lora_steps // 20))
         adapter = stages["lora"] = lora["adapter"]
-    summary = {"quantizer": quantizer, "adapter": adapter or None, "stages": stages, "config": asdict(cfg),
+    summary = {**owner_stamp("recover"), "quantizer": quantizer, "adapter": adapter or None, "stages": stages, "config": asdict(cfg),
                "eval": f"qat-lora eval --model {cfg.model} --quant {cfg.quant} --quantizer {quantizer}"
                        + (f" --adapter {adapter}" if adapter else "") + " --text <held-out text>"}
     atomic_write_json(Path(cfg.out) / SUMMARY_FILE, summary)

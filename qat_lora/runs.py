@@ -23,7 +23,7 @@ import signal
 import threading
 from pathlib import Path
 
-from .files import save_debris
+from .files import owned_by, save_debris
 
 ADAPTER_DIR = "adapter"
 QUANTIZER_FILE = "quantizer.safetensors"
@@ -36,6 +36,9 @@ TENSORBOARD_DIR = "tensorboard"
 INIT_REPORT_FILE = "quantize.json"  # what `qat-lora quantize` writes next to its quantizer.safetensors
 WANDB_DIR, WANDB_ID_FILE = "wandb", "wandb_run_id"
 CHECKPOINT_PREFIX = "checkpoint-"
+# config.json is the run's ownership record (files.owned_by): stamped with this kind; a run written before the
+# stamp existed is recognised by these keys, which a model's config.json never has.
+RUN_KIND, RUN_LEGACY_KEYS = "train-run", ("preset", "cache", "max_steps", "quant")
 # Everything a run writes at the top of its folder (checkpoints are matched by CHECKPOINT_PREFIX).
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPTER_DIR, QUANTIZER_FILE, BEST_DIR,
              TENSORBOARD_DIR, WANDB_DIR, WANDB_ID_FILE)
@@ -154,16 +157,40 @@ class StopSignal:
             signal.signal(s, handler)
 
 
-def prepare_run_dir(out: str | Path, *, overwrite: bool, resume_auto: bool, resuming: bool) -> Path:
-    """Create the run folder. A resumed run keeps everything; with --overwrite (or --resume auto and nothing
-    to resume) only what a previous run wrote there is removed.
+def check_run_folder(out: str | Path) -> None:
+    """Refuse an --out whose run-named entries are not a run's: a config.json no qat-lora run wrote (a model
+    folder), or adapter/, checkpoint-N/... with no run record beside them. A run would overwrite them, and
+    --overwrite would delete them.
 
     Raises:
-        ValueError: a run already exists in `out` and neither flag allows replacing it.
+        ValueError: naming --out and what is there.
+    """
+    out = Path(out)
+    if not out.is_dir():
+        return
+    if (out / CONFIG_FILE).exists():
+        if not owned_by(out / CONFIG_FILE, RUN_KIND, RUN_LEGACY_KEYS):
+            raise ValueError(f"--out {out}: its {CONFIG_FILE} was not written by a qat-lora run (a model folder?); "
+                             "choose another folder for the run")
+        return
+    taken = sorted(p.name for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(CHECKPOINT_PREFIX))
+    if taken:
+        raise ValueError(f"--out {out}: holds {', '.join(taken[:3])} that no qat-lora run recorded there; choose an "
+                         "empty or new folder")
+
+
+def prepare_run_dir(out: str | Path, *, overwrite: bool, resume_auto: bool, resuming: bool) -> Path:
+    """Create the run folder. A resumed run keeps everything; with --overwrite (or --resume auto and nothing
+    to resume) only what a previous run wrote there is removed, and only when its config.json proves it a run.
+
+    Raises:
+        ValueError: a run already exists in `out` and neither flag allows replacing it; `out` holds run-named
+            files that no run recorded.
     """
     import shutil
 
     out = Path(out)
+    check_run_folder(out)  # only ever remove what a run wrote: proven by its config.json
     if (out / CONFIG_FILE).exists() and not resuming:
         if not (overwrite or resume_auto):
             raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "

@@ -21,12 +21,53 @@ from safetensors.torch import load_file
 
 from . import device as dev, models
 from .config import TRAIN_PRESETS, StudentSpec
-from .files import apply_umask, first_line, save_safetensors
+from .files import apply_umask, atomic_write_json, first_line, owner_stamp, read_record, save_safetensors
 from .lora import add_recovery_lora_, load_recovery_lora
 from .quant import FakeQuantLinear, get_preset, quantize_, quantizer_parameters
 from .runs import ADAPTER_DIR, QUANTIZER_FILE
 
 CODES_KEY = "codes"  # a quantiser state's integer codes of a layer whose weights moved
+# The base model a quantiser or adapter was made from (models.weights_signature): in the quantiser's safetensors
+# metadata, and in a small JSON beside the adapter's PEFT files (PEFT ignores it). Files without it load unchecked.
+MODEL_SIGNATURE_KEY = "qat_lora.model_signature"
+ADAPTER_RECORD = "qat_lora.json"
+
+
+def _recorded_signature(flag: str, path: str | Path) -> str | None:
+    """The model signature a --quantizer file or an --adapter folder recorded, if any."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        record = read_record(path / ADAPTER_RECORD) or {}
+        return record.get(MODEL_SIGNATURE_KEY)
+    if not path.is_file():
+        return None  # missing: the loader that reads it names it
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get(MODEL_SIGNATURE_KEY)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{flag} {path}: damaged or truncated ({first_line(e)})") from None
+
+
+def check_made_from(model: str, **artefacts: str) -> None:
+    """Refuse a quantiser or adapter made from other weights than --model's (same shapes, another model, or the
+    same model changed): it would load without an error and give a wrong student.
+
+    Args:
+        artefacts: {"quantizer": path, "adapter": path}; empty paths are skipped.
+    Raises:
+        ValueError: naming the flag, the file and the fix.
+    """
+    current = None
+    for name, path in artefacts.items():
+        recorded = _recorded_signature(f"--{name}", path) if path else None
+        if recorded is None:
+            continue
+        current = current or models.weights_signature(model)
+        if current is not None and current != recorded:
+            raise ValueError(f"--{name} {path}: made from other weights than --model {model} (its model signature "
+                             f"{recorded[:12]} differs from {current[:12]}); pass the --model it was made from")
 
 
 def resolve_attn(attn_implementation: str, device: torch.device) -> str:
@@ -40,6 +81,8 @@ def resolve_attn(attn_implementation: str, device: torch.device) -> str:
 def build_student(spec: StudentSpec, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """Load the full-precision model and fake-quantise it with the spec's preset (initialised as the preset
     says), then load the spec's trained quantiser, if any. An empty `spec.quant` gives the model unquantised."""
+    if spec.quant:
+        check_made_from(spec.model, quantizer=spec.quantizer)
     model = models.load_causal_lm(spec.model, attn_implementation=attn_implementation)
     if not spec.quant:
         return model
@@ -55,6 +98,8 @@ def build_student(spec: StudentSpec, attn_implementation: str = "sdpa") -> torch
 def load_student(spec: StudentSpec, adapter: str = "", attn_implementation: str = "sdpa") -> torch.nn.Module:
     """Teacher (no quant), PTQ student (quant), or trained student (quant + a qat run's quantizer and/or a
     recovery adapter), in eval mode: what eval, export and the benchmarks evaluate."""
+    if spec.quant:  # an adapter over an export (--model packed/ or dense/, no --quant) is not a student's
+        check_made_from(spec.model, adapter=adapter)
     student = build_student(spec, attn_implementation)
     if adapter:
         student = load_recovery_lora(student, adapter)
@@ -173,14 +218,17 @@ def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
             module.hold_codes = True  # on the grid, LSQ's scale gradient is 0: hold the codes instead (quant.py)
 
 
-def save_adapter(model, path: Path) -> None:
-    """Write the LoRA adapters as standard PEFT files, atomically (temp folder, then rename)."""
+def save_adapter(model, path: Path, model_signature: str | None = None) -> None:
+    """Write the LoRA adapters as standard PEFT files, atomically (temp folder, then rename), with the signature
+    of the base model they were trained over."""
     from peft import get_peft_model_state_dict
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     state = dev.state_dict_to_cpu(get_peft_model_state_dict(model))
     model.save_pretrained(str(tmp), state_dict=state)
+    if model_signature:
+        atomic_write_json(tmp / ADAPTER_RECORD, {**owner_stamp("adapter"), MODEL_SIGNATURE_KEY: model_signature})
     apply_umask(tmp)  # PEFT saves through safetensors, whose files are 0600 whatever the umask
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
@@ -199,22 +247,28 @@ def has_codes(path: str | Path) -> bool:
         raise ValueError(f"--quantizer {path}: damaged or truncated ({first_line(e)})") from None
 
 
-def save_artifacts(model, preset: str, folder: Path, codes: bool = False) -> dict[str, str | None]:
+def save_artifacts(model, preset: str, folder: Path, codes: bool = False,
+                   model_signature: str | None = None) -> dict[str, str | None]:
     """What the preset trained, in standard files: `adapter/` (PEFT) and/or `quantizer.safetensors`, whose codes
-    are written when the weights trained or (`codes`) had moved before training (a GPTQ or weight-qat start)."""
+    are written when the weights trained or (`codes`) had moved before training (a GPTQ or weight-qat start);
+    both record `model_signature`, the base model's."""
     folder.mkdir(parents=True, exist_ok=True)
     paths: dict[str, str | None] = {"adapter": None, "quantizer": None}
     if "lora" in TRAIN_PRESETS[preset]:
-        save_adapter(model, folder / ADAPTER_DIR)
+        save_adapter(model, folder / ADAPTER_DIR, model_signature)
         paths["adapter"] = str(folder / ADAPTER_DIR)
     if "quantizer" in TRAIN_PRESETS[preset] or "weights" in TRAIN_PRESETS[preset]:
-        save_quantizer_state(model, folder / QUANTIZER_FILE, codes=codes or "weights" in TRAIN_PRESETS[preset])
+        save_quantizer_state(model, folder / QUANTIZER_FILE, codes=codes or "weights" in TRAIN_PRESETS[preset],
+                             model_signature=model_signature)
         paths["quantizer"] = str(folder / QUANTIZER_FILE)
     return paths
 
 
-def save_quantizer_state(model: torch.nn.Module, path: Path, codes: bool = False) -> None:
-    """Write `quantizer_state_dict(model, codes)` to `path` atomically (temp name, then rename)."""
+def save_quantizer_state(model: torch.nn.Module, path: Path, codes: bool = False,
+                         model_signature: str | None = None) -> None:
+    """Write `quantizer_state_dict(model, codes)` to `path` atomically (temp name, then rename), recording the
+    signature of the base model it belongs to."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = dev.state_dict_to_cpu(quantizer_state_dict(model, codes))  # one transfer from an XLA device
-    save_safetensors({k: v.contiguous() for k, v in state.items()}, path)
+    save_safetensors({k: v.contiguous() for k, v in state.items()}, path,
+                     {MODEL_SIGNATURE_KEY: model_signature} if model_signature else None)

@@ -17,6 +17,7 @@ signal number (143, 130): the run is unfinished, and the same command with `--re
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,7 +36,8 @@ from . import checkpoint as ckpt, device as dev, models, runs
 from .cache import KDCache, batches_per_epoch, endless_batches
 from .config import TrainConfig, field_defaults
 from .distributed import Backend, init_backend
-from .files import atomic_write_json
+from .files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owner_stamp, read_record,
+                    require_folder)
 from .loss import KDLossConfig, forward_loss
 from .metrics import kd_metrics
 from .reporting import open_reporters
@@ -69,6 +71,7 @@ class _Run:
     wall_s_before: float = 0.0  # training time of the processes before a resume
     started: float = 0.0  # perf_counter when this process's loop began
     moved: bool = False  # the student's weights started off the base model's (a --quantizer with codes)
+    inputs: dict = dataclasses.field(default_factory=dict)  # run_inputs(cfg): recorded, compared on resume
     finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
     metrics: runs.MetricsLog | None = None  # the master's metrics log
     compiled_by_step_2: int = 0  # XLA graphs compiled by this process's second step
@@ -91,19 +94,33 @@ def _load_student(cfg: TrainConfig, device: torch.device, backend: Backend, cach
     return student
 
 
-def _check_run_dir(cfg: TrainConfig, log: Callable[[str], None]) -> Path | None:
-    """The checkpoint to resume from, after refusing an --out whose run this one must not replace: a file,
-    a run without --overwrite, or (--resume auto) a run made with other settings, which would be wiped.
+def run_inputs(cfg: TrainConfig) -> dict[str, str | None]:
+    """The run's inputs as models.input_identities sees them; a resume on changed ones is refused."""
+    return models.input_identities(cfg.model, cfg.cache, cfg.quantizer)
+
+
+def _check_out(cfg: TrainConfig) -> None:
+    """--out must be a folder apart from every input: checked before the run's lock creates it."""
+    require_folder(cfg.out, "the run")
+    check_out_apart_from_inputs(cfg.out, {"--model": cfg.model, "--cache": cfg.cache, "--quantizer": cfg.quantizer})
+
+
+def _check_run_dir(cfg: TrainConfig, inputs: dict, log: Callable[[str], None]) -> Path | None:
+    """The checkpoint to resume from, after refusing an --out whose run this one must not replace: run files
+    that no run wrote, a run without --overwrite, (--resume auto) a run made with other settings, which would
+    be wiped, or a checkpoint trained on other inputs.
 
     Raises:
-        ValueError: one line naming --out, the first differing flag and the fix.
+        ValueError: one line naming --out, the first differing flag or input and the fix.
     """
     out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: is a file; pass a folder for the run")
+    runs.check_run_folder(out)
     resume_from = ckpt.find_resume_point(out, cfg.resume, log)
     saved = runs.read_config(out)
-    if saved is not None and resume_from is None and not cfg.overwrite:
+    if resume_from is not None:
+        state = read_record(resume_from / ckpt.STATE_FILE) or {}  # an unreadable one: load_checkpoint says so
+        ckpt.check_same_inputs(state.get("inputs"), inputs, resume_from, asdict(cfg))
+    elif saved is not None and not cfg.overwrite:
         if cfg.resume != "auto":
             raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
                              "another folder")
@@ -112,18 +129,23 @@ def _check_run_dir(cfg: TrainConfig, log: Callable[[str], None]) -> Path | None:
     return resume_from
 
 
-def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Callable[[str], None]) -> _Run:
-    """Student, trainable parameters, data and optimizer; every input is checked before the run folder is touched."""
-    cache = KDCache(cfg.cache)
-    resume_from = _check_run_dir(cfg, log)
-    student = _load_student(cfg, device, backend, cache)
-    per_epoch = batches_per_epoch(cache, _batch(cfg, backend), backend.world_size - 1, backend.world_size)
-    if per_epoch == 0:
+def _check_cache(cfg: TrainConfig, cache: KDCache, backend: Backend) -> None:
+    """What the cache must hold for these flags, before any model loads."""
+    if batches_per_epoch(cache, _batch(cfg, backend), backend.world_size - 1, backend.world_size) == 0:
         raise ValueError(f"--cache {cfg.cache}: {cache.num_sequences('train')} training sequences, fewer than "
                          f"--batch-size {cfg.batch_size} per device; build a larger cache or lower the batch size")
     if cfg.eval_steps and cache.num_sequences("heldout") == 0:
         raise ValueError(f"--eval-steps {cfg.eval_steps}: the cache's held-out split is empty; rebuild it with "
                          "--holdout-fraction > 0 or pass --eval-steps 0")
+
+
+def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Backend,
+            log: Callable[[str], None]) -> _Run:
+    """Student, trainable parameters, data and optimizer; every input is checked before the run folder is touched."""
+    _check_cache(cfg, cache, backend)
+    inputs = run_inputs(cfg)
+    resume_from = _check_run_dir(cfg, inputs, log)
+    student = _load_student(cfg, device, backend, cache)
     if backend.is_master:
         runs.prepare_run_dir(cfg.out, overwrite=cfg.overwrite, resume_auto=cfg.resume == "auto",
                              resuming=resume_from is not None)
@@ -140,7 +162,7 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     tokens_per_step = _batch(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
     run = _Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device,
-               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device))
+               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device), inputs=inputs)
     if resume_from is not None:
         _restore(run, resume_from)
         log(f"resumed from {resume_from} at step {run.step}")
@@ -149,7 +171,8 @@ def _set_up(cfg: TrainConfig, device: torch.device, backend: Backend, log: Calla
             log(f"--resume auto: no checkpoint in {cfg.out}; starting at step 0")
         if backend.is_master:
             atomic_write_json(run.out / runs.CONFIG_FILE, {
-                **asdict(cfg), "quant_config": quant_config_dict(get_preset(cfg.quant)),
+                **owner_stamp(runs.RUN_KIND), **asdict(cfg), "inputs": inputs,
+                "quant_config": quant_config_dict(get_preset(cfg.quant)),
                 "trainable_parameters": sum(p.numel() for p in params.values()),
                 "world_size": backend.world_size * backend.data_parallel})
     log(f"student {cfg.model} [{cfg.quant}, {cfg.preset}] on {device} ({backend.describe()}): "
@@ -185,6 +208,10 @@ def _check_finite(run: _Run, finite: bool | None = None) -> None:
                                "`qat-lora cache verify`")
 
 
+def _save_artifacts(run: _Run, folder: Path) -> dict[str, str | None]:
+    return save_artifacts(run.model, run.cfg.preset, folder, run.moved, run.inputs.get("model"))
+
+
 def _save_checkpoint(run: _Run) -> Path | None:
     """Every rank contributes its RNG state; the master writes `checkpoint-{step}` (returns its path)."""
     _check_finite(run)
@@ -200,10 +227,11 @@ def _save_checkpoint(run: _Run) -> Path | None:
     state = {"step": run.step, "micro_batches": consumed, "epoch": epoch, "batch_in_epoch_rank0": batch,
              "world_size": backend.world_size * backend.data_parallel, "best_eval_loss": run.best_eval_loss,
              "wall_s": run.wall_s_before + time.perf_counter() - run.started,
-             "scheduler": run.scheduler.state_dict(), "optimizer": opt_meta, "config": asdict(cfg)}
+             "scheduler": run.scheduler.state_dict(), "optimizer": opt_meta, "config": asdict(cfg),
+             "inputs": run.inputs}
     tensors = {ckpt.TRAINABLE_FILE: dict(run.params), ckpt.OPTIMIZER_FILE: opt_tensors, ckpt.RNG_FILE: rng}
     return ckpt.save_checkpoint(run.out, run.step, tensors, state,
-                                lambda d: save_artifacts(run.model, cfg.preset, d, run.moved), keep=cfg.keep_checkpoints)
+                                lambda d: _save_artifacts(run, d), keep=cfg.keep_checkpoints)
 
 
 @torch.no_grad()
@@ -260,7 +288,7 @@ def _evaluate(run: _Run, metrics: runs.MetricsLog, amp_dtype) -> None:
             run.best_eval_loss = result["eval_loss"]
             tmp = run.out / (runs.BEST_DIR + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_artifacts(run.model, run.cfg.preset, tmp, run.moved)
+            _save_artifacts(run, tmp)
             atomic_write_json(tmp / "eval.json", {"step": run.step, **result})
             shutil.rmtree(run.out / runs.BEST_DIR, ignore_errors=True)
             os.replace(tmp, run.out / runs.BEST_DIR)
@@ -296,7 +324,7 @@ def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dt
 
 def _finish(run: _Run, started: float, first_step: int, compiled_by_step_2: int, log: Callable[[str], None]) -> dict:
     """Final artefacts, summary and (on XLA) the compile report; master only."""
-    paths = save_artifacts(run.model, run.cfg.preset, run.out, run.moved)
+    paths = _save_artifacts(run, run.out)
     steps = run.step - first_step
     wall = time.perf_counter() - started
     summary = {"steps": run.step, "steps_this_process": steps, "tokens": run.step * run.tokens_per_step,
@@ -336,12 +364,14 @@ def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics: runs.Me
 
 
 def _finished_run(cfg: TrainConfig, log: Callable[[str], None]) -> dict | None:
-    """With --resume auto, the summary of a run in --out that already reached --max-steps with this config
-    (a preemption loop may rerun the command once more); None otherwise."""
+    """With --resume auto, the summary of a run in --out that already reached --max-steps with this config and
+    these inputs (a preemption loop may rerun the command once more); None otherwise."""
     summary = runs.read_summary(cfg.out) if cfg.resume == "auto" else None
     if summary is None or summary["steps"] < cfg.max_steps:
         return None
+    runs.check_run_folder(cfg.out)
     saved = runs.read_config(cfg.out) or {}
+    ckpt.check_same_inputs(saved.get("inputs"), run_inputs(cfg), Path(cfg.out), asdict(cfg))
     saved = {**field_defaults(TrainConfig), **saved}  # a field added since the run was saved: its default
     ckpt.check_resumable({k: saved.get(k) for k in asdict(cfg)}, asdict(cfg), Path(cfg.out))
     log(f"{cfg.out} already holds a finished run of {cfg.max_steps} steps; nothing to resume")
@@ -362,6 +392,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
     device = dev.resolve_device(cfg.device)
     if cfg.loss_chunk_size < 0:  # auto: config.json and checkpoints record the size that ran, resumes compare it
         cfg = dataclasses.replace(cfg, loss_chunk_size=dev.default_loss_chunk_size(device))
+    cache = KDCache(cfg.cache)  # the inputs first: a missing cache is the error to report, not where --out is
+    _check_out(cfg)
     finished = _finished_run(cfg, log)
     if finished is not None:
         return finished
@@ -373,21 +405,23 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
         xla_cache = dev.init_xla_cache(cfg.xla_cache_dir, backend.local_rank)
         if master:
             log(f"persistent XLA compile cache: {xla_cache or 'off'}")
-    run = _set_up(cfg, device, backend, log if master else (lambda _: None))
-    with dev.matmul_precision(device, cfg.matmul_precision):
-        first_step = run.step
-        data = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
-                               start=first_step * cfg.accumulation_steps)
-        dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
-        with dev.device_batches(data, device, backend.input_sharding(dims)) as batches:
-            _loop(run, batches, log, rerun)
-    # Save: the final artefacts, summary and compile report (master only).
-    dev.sync(device)
-    backend.rendezvous("end")
-    summary = {}
-    if master:
-        run.metrics.close()
-        summary = _finish(run, run.started, first_step, run.compiled_by_step_2, log)
+    # The master holds --out for the whole run: a second command writing there fails at once.
+    with FolderLock(cfg.out) if master else contextlib.nullcontext():
+        run = _set_up(cfg, cache, device, backend, log if master else (lambda _: None))
+        with dev.matmul_precision(device, cfg.matmul_precision):
+            first_step = run.step
+            data = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
+                                   start=first_step * cfg.accumulation_steps)
+            dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
+            with dev.device_batches(data, device, backend.input_sharding(dims)) as batches:
+                _loop(run, batches, log, rerun)
+        # Save: the final artefacts, summary and compile report (master only).
+        dev.sync(device)
+        backend.rendezvous("end")
+        summary = {}
+        if master:
+            run.metrics.close()
+            summary = _finish(run, run.started, first_step, run.compiled_by_step_2, log)
     backend.shutdown()
     return summary
 

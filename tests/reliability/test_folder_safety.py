@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from qat_lora.cli import main
-from qat_lora.runs import prepare_run_dir
+from qat_lora.files import owner_stamp
+from qat_lora.runs import RUN_KIND, prepare_run_dir
 
 TRAIN = ["--batch-size", "4", "--lora-r", "4", "--warmup-steps", "1", "--device", "cpu"]
 
@@ -48,13 +49,16 @@ def test_resume_auto_on_the_finished_run_is_a_successful_no_op(finished_run, tea
     assert "nothing to resume" in capsys.readouterr().out and _snapshot(finished_run) == before
 
 
-def test_unfinished_run_without_checkpoint_restarts_only_with_the_same_settings(teacher_dir, cache_dir, tmp_path):
+def test_unfinished_run_without_checkpoint_restarts_only_with_the_same_settings(teacher_dir, cache_dir, tmp_path,
+                                                                                capsys):
     out = tmp_path / "run"
     out.mkdir()
-    saved = {"model": str(teacher_dir), "cache": str(cache_dir), "quant": "w3g32", "max_steps": 2}
+    saved = {"model": str(teacher_dir), "cache": str(cache_dir), "quant": "w3g32", "max_steps": 2,
+             "preset": "recovery-lora"}  # a run's config.json from before runs were stamped
     (out / "config.json").write_text(json.dumps(saved))  # a run killed before its first checkpoint
     argv = _train_argv(teacher_dir, cache_dir, out, "--quant", "w2g32", "--max-steps", "2", "--resume", "auto")
     assert main(argv) == 2 and json.loads((out / "config.json").read_text()) == saved
+    assert "config.json was written with --" in capsys.readouterr().err  # a settings mismatch, not a foreign file
 
 
 def test_overwrite_removes_a_runs_files_and_save_debris_only(tmp_path):
@@ -63,7 +67,7 @@ def test_overwrite_removes_a_runs_files_and_save_debris_only(tmp_path):
     (out / ".checkpoint-8.tmp").mkdir()
     run_files = ["config.json", "metrics.jsonl", "quantizer.safetensors", "config.json.tmp", ".tmpQx81Lz"]
     for name in run_files + ["notes.tmp", "mine.txt", ".tmp_keep"]:
-        (out / name).write_text("x")
+        (out / name).write_text(json.dumps(owner_stamp(RUN_KIND)) if name == "config.json" else "x")
     prepare_run_dir(out, overwrite=True, resume_auto=False, resuming=False)
     assert sorted(p.name for p in out.iterdir()) == [".tmp_keep", "mine.txt", "notes.tmp"]
 
