@@ -93,16 +93,21 @@ def _topk_soft_ce(s_full: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: t
         q = torch.softmax(_at_least_fp32(topk_logprobs) / temperature, dim=-1)
         soft_ce = -(q * s).sum(-1) * temperature**2
         return soft_ce, soft_ce + (q * q.clamp(min=1e-30).log()).sum(-1) * temperature**2
-    if temperature == 1.0:
-        soft_ce = -((q_k * s_k).sum(-1) + q_tail * s_tail)
-        q = torch.cat([q_k, q_tail.unsqueeze(-1)], dim=-1)
-        scale = 1.0
+    if topk_ids.shape[-1] >= s_full.shape[-1]:
+        # K = V (a static shape, no branch on values): the tail is empty on both sides, so the buckets are the K
+        # tokens. Rounding leaves the K probabilities summing to 1 +- 1e-7, and tempering inflates that fake tail
+        # mass (1e-7 ** (1 / T)) against the student's finite tail fill: a visible loss gap at T > 1.
+        log_q, s = _at_least_fp32(topk_logprobs), s_k
     else:
         log_q = torch.cat([_at_least_fp32(topk_logprobs), q_tail.clamp(min=1e-30).log().unsqueeze(-1)], dim=-1)
-        q = _temper(log_q, temperature).exp()
-        s = _temper(torch.cat([s_k, s_tail.unsqueeze(-1)], dim=-1), temperature)
+        s = torch.cat([s_k, s_tail.unsqueeze(-1)], dim=-1)
+    if temperature == 1.0:
+        q = torch.cat([q_k, q_tail.unsqueeze(-1)], dim=-1)[..., :s.shape[-1]]  # q_tail exact (not exp(log))
+        scale = 1.0
+    else:
+        q, s = _temper(log_q, temperature).exp(), _temper(s, temperature)
         scale = temperature**2
-        soft_ce = -(q * s).sum(-1) * scale
+    soft_ce = -(q * s).sum(-1) * scale
     entropy = -(q * q.clamp(min=1e-30).log()).sum(-1) * scale
     return soft_ce, soft_ce - entropy
 

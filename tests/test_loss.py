@@ -68,6 +68,22 @@ def test_temperature_tempers_both_sides_over_the_same_buckets(temperature):
     torch.testing.assert_close(soft_ce, reference, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 4.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_k_equal_v_tempered_equals_the_full_vocabulary_tempered_cross_entropy(temperature, dtype):
+    # K = V leaves no tail; the K log-probs sum to 1 only up to rounding, which once gave the empty tail ~1e-7 of
+    # the teacher's mass, inflated by tempering to a visible gap against the student's finite tail fill.
+    student, teacher = _logits(7).to(dtype), _logits(8).to(dtype)
+    batch = _batch(teacher, V)
+    soft_ce, kl = topk_soft_ce(student, batch["topk_ids"], batch["topk_logprobs"], temperature)
+    q = torch.softmax(teacher.double() / temperature, -1)
+    s = torch.log_softmax(student.double() / temperature, -1)
+    reference = -(q * s).sum(-1) * temperature**2
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(soft_ce.double(), reference, atol=tol, rtol=tol)
+    torch.testing.assert_close(kl.double(), reference + (q * q.log()).sum(-1) * temperature**2, atol=tol, rtol=tol)
+
+
 def test_masked_positions_contribute_nothing():
     student, teacher = _logits(7).requires_grad_(), _logits(8)
     mask = torch.ones(B, L, dtype=torch.uint8)
