@@ -150,13 +150,15 @@ def _plot(args: argparse.Namespace) -> None:
 
 def _cache_tool(args: argparse.Namespace) -> None:
     from .cache import inspect_cache, verify_cache
-    from .cache_build import merge_manifests
+    from .cache_build import gather_ranks, merge_manifests
 
     if args.action == "verify":
         problems = verify_cache(args.dir)
         if problems:
             raise ValueError(f"{len(problems)} problem(s); first: {problems[0]}")
         print(f"{args.dir}: ok")
+    elif args.action == "merge" and args.sources:
+        gather_ranks(args.dir, args.sources)
     elif args.action == "merge":
         merge_manifests(args.dir)
     else:
@@ -237,6 +239,8 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     p.add_argument("action", choices=("verify", "inspect", "merge"), help="what to do")
     p.add_argument("dir", help="cache folder")
     p.add_argument("--json", action="store_true", help="inspect: print JSON")
+    p.add_argument("--from", dest="sources", nargs="+", default=[], metavar="FOLDER",
+                   help="merge: first bring in the ranks other hosts built into these folders (--rank R)")
     p.set_defaults(func=_cache_tool)
     return parser
 
