@@ -20,6 +20,7 @@ from qat_lora.cache import KDCache, batch_order
 from qat_lora.config import TrainConfig
 from qat_lora.launch import free_port
 from qat_lora.train import train
+from tests.test_trainer import _full_rows_seed
 
 
 def _flags(teacher_dir, cache_dir, out, *extra) -> list[str]:
@@ -40,16 +41,6 @@ def _nodes(flags: list[str], nodes: int = 2) -> list[subprocess.Popen]:
 
 def _wait(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str]]:
     return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
-
-
-def _full_rows_seed(cache_dir, rows: int) -> int:
-    """A seed whose first `rows` training rows hold no padding (then mean of rank means == global mean)."""
-    cache = KDCache(cache_dir)
-    for seed in range(100):
-        order = batch_order(cache.num_sequences("train"), seed=seed, epoch=0)[:rows]
-        if all(bool(cache.sequence(int(i))["attention_mask"].all()) for i in order):
-            return seed
-    raise AssertionError("no seed without padded rows")
 
 
 def test_two_nodes_make_the_same_adapters_as_one_process_with_the_global_batch(teacher_dir, cache_dir, tmp_path):
