@@ -141,7 +141,7 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
 
     This process holds the lock on --out (files.FolderLock) for the whole build, merge included; a builder that
     a launcher started (WORLD_SIZE > 1: ours, whose lock it cannot take again, or torchrun's, whose hosts may
-    share one folder) takes none.
+    share one folder) takes none, nor does one host's share of a --world-size > 1 build (the hosts may share it).
 
     Raises:
         ValueError: a builder failed (its own error was printed above), a bad --num-chips, or another command
@@ -153,6 +153,8 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return build_cache(replace(cfg, num_chips=1), log)
     check_out_path(cfg)  # before the lock, which would create the folder inside an input
+    if cfg.world_size > 1:  # hosts of one build may share the folder (each writes only its own ranks' files)
+        return _build_locked(cfg, log)
     with FolderLock(cfg.out, "--out"):
         return _build_locked(cfg, log)
 

@@ -69,3 +69,14 @@ def test_a_source_without_ranks_is_one_line(source, host_builds, tmp_path, capsy
     folder.mkdir(exist_ok=True)
     code, err = run_cli(["cache", "merge", str(host0), "--from", str(folder)], capsys)
     assert code == 2 and len(err) == 1 and "no manifest-r*.json of another folder" in err[0], err
+
+
+def test_hosts_may_share_one_folder_while_another_host_builds(host_builds, teacher_dir, corpus_dir, tmp_path):
+    """A bucket or NFS folder every host writes: one host's lock on it does not stop another host's ranks."""
+    from qat_lora.files import FolderLock
+
+    shared = shutil.copytree(host_builds[0], tmp_path / "shared")  # host 0 is done; host 1 builds beside it
+    with FolderLock(shared):  # host 0's command, still holding the folder (on file systems whose locks span hosts)
+        _build(teacher_dir, corpus_dir, shared, 1)
+    manifest = json.loads((shared / "manifest.json").read_text())  # the last host to finish merged
+    assert {sh["rank"] for sh in manifest["splits"]["train"]["shards"]} == {0, 1}
