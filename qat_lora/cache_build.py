@@ -343,7 +343,7 @@ def _header(cfg: CacheBuildConfig, corpus: str, identity: dict, tokenizer, vocab
 
 def unfinished_ranks(out: Path) -> list[int]:
     """Ranks of the build in `out` without a partial manifest yet (all of them when none exists)."""
-    partials = [json.loads(p.read_text()) for p in sorted(out.glob("manifest-r*.json"))]
+    partials = [_read_partial(p) for p in sorted(out.glob("manifest-r*.json"))]
     if not partials:
         return [0]
     return sorted(set(range(partials[0]["world_size"])) - {p["rank"] for p in partials})

@@ -160,11 +160,14 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
 
 
 def _build_locked(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
-    from .cache_build import build_cache, clear_debris, merge_manifests, prepare_out, unfinished_ranks
+    from .cache_build import build_cache, clear_debris, prepare_out
 
     chips = chips_to_use(cfg.num_chips, cfg.device)
     if chips == 1:
-        return build_cache(replace(cfg, num_chips=1), log)
+        built = build_cache(replace(cfg, num_chips=1), log)
+        if cfg.world_size == 1:
+            return built
+        return _merge_when_complete(cfg, log)  # one host's share of a --world-size build: the last one merges
     # Once, here, before any builder starts: a builder clearing the folder (--overwrite) or every rank's debris of
     # a killed build would delete the files of those started before it. Other hosts may be writing a shared
     # folder: there each builder clears only its own rank's debris.
@@ -181,6 +184,13 @@ def _build_locked(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
         torch_xla.launch(_build_rank, args=(one, chips))
     else:
         _build_local(one, chips, log)
+    return _merge_when_complete(cfg, log)
+
+
+def _merge_when_complete(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
+    """The merged manifest once every rank of the build is in --out; else its folder, saying what is missing."""
+    from .cache_build import merge_manifests, unfinished_ranks
+
     missing = unfinished_ranks(Path(cfg.out))
     if missing:
         log(f"ranks {missing[0]}..{missing[-1]} of this build are not done (other hosts): once they are, run "
