@@ -46,8 +46,15 @@ def test_flag_pattern_skips_xla_flags_and_keeps_ours():
         "--num-chips", "--resume"]
 
 
+def _torchrun_flags() -> set[str]:
+    """The flags of torchrun itself (the guide's multi-node launch line), from its own parser."""
+    from torch.distributed.run import get_args_parser
+
+    return {s for a in get_args_parser()._actions for s in a.option_strings if s.startswith("--")}
+
+
 def test_every_guide_flag_exists_in_the_cli():
-    known = set().union(*_parsers().values())
+    known = set().union(*_parsers().values(), _torchrun_flags())
     flags = set(FLAG.findall(GUIDE.read_text()))
     assert {"--num-chips", "--xla-cache-dir", "--storage-dtype", "--resume"} <= flags  # the parser sees the guide
     assert not flags - known, f"docs/TPU.md names flag(s) no qat-lora command has: {sorted(flags - known)}"
