@@ -127,15 +127,25 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torch
     return final
 
 
+# What `_restore` reads from state.json, with its type: a state without them is damaged, not a KeyError.
+_STATE_FIELDS = {"files": dict, "step": int, "world_size": int, "config": dict, "optimizer": dict, "scheduler": dict,
+                 "best_eval_loss": (int, float, type(None))}
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why a checkpoint folder cannot be resumed (incomplete, a file missing or changed), or None if intact."""
     if not (path / STATE_FILE).exists():
         return f"not a complete checkpoint (no {STATE_FILE})"
     try:
-        files = json.loads((path / STATE_FILE).read_text()).get("files", {})
+        state = json.loads((path / STATE_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return f"{STATE_FILE} is damaged"
-    for name, digest in files.items():
+    wrong = [k for k, kind in _STATE_FIELDS.items() if not isinstance(state, dict) or not isinstance(state.get(k), kind)]
+    if wrong:
+        return f"{STATE_FILE} is damaged (no valid `{wrong[0]}`)"
+    for name, digest in state["files"].items():
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"{STATE_FILE} names {name!r}, not a file inside the checkpoint"
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
@@ -161,17 +171,30 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]
 
 def find_resume_point(run_dir: Path, resume: str, log: Callable[[str], None] = print) -> Path | None:
     """The checkpoint `--resume` names: for `auto` the newest intact one (a damaged one is reported and skipped;
-    None when there is none)."""
+    None when there is none); else a checkpoint-N folder of this run (a name is looked up in `run_dir`).
+
+    Raises:
+        ValueError: every checkpoint is damaged (starting over would delete them: that takes --overwrite), or the
+            named folder is not one of this run's checkpoints (another run's would mix two runs in one folder).
+    """
     if not resume:
         return None
     if resume == "auto":
-        for found in reversed(list_checkpoints(run_dir)):
+        found_any = list_checkpoints(run_dir)
+        for found in reversed(found_any):
             problem = checkpoint_problem(found)
             if problem is None:
                 return found
             log(f"--resume auto: {found.name} cannot be resumed ({problem}); trying an older checkpoint")
+        if found_any:
+            raise ValueError(f"--resume auto: every checkpoint in {run_dir} is damaged; restore one, or pass "
+                             "--overwrite to start again (which deletes them)")
         return None
-    return Path(resume)
+    path = Path(resume) if Path(resume).is_absolute() or Path(resume).parent != Path(".") else run_dir / resume
+    if path.resolve().parent != Path(run_dir).resolve() or step_of(path) < 0:
+        raise ValueError(f"--resume {resume}: not a checkpoint-N folder of --out {run_dir}; pass auto or one of "
+                         "its own checkpoints (another run's would mix two runs)")
+    return path
 
 
 # What a run's values depend on beyond its flags (train.run_inputs): the flag that names each, for the messages.
@@ -189,8 +212,8 @@ def check_same_inputs(saved: dict | None, current: dict, path: Path, config: dic
     for key, flag in INPUT_FLAGS.items():
         before, now = (saved or {}).get(key), current.get(key)
         if before and now and before != now:
-            raise ValueError(f"--resume: {path.name} was trained on {flag} {config.get(key)} as it was then; its "
-                             "contents changed since (weights, shards or file differ); restore it, or pass "
+            raise ValueError(f"--resume: {path.name} was trained on {flag} {config.get(key)}, whose contents differ "
+                             f"from this run's {flag} now (weights, shards or file); restore them, or pass "
                              "--overwrite to start again, or choose a new --out")
 
 

@@ -11,11 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from . import models
-from .config_checks import (check_adapter, check_gguf_export, check_output_file, check_quantizer_file, model_context,
-                            require_device, require_non_negative, require_positive, require_precision, require_seed)
+from .config_checks import (MAX_LR, MAX_LR_RATIO, MAX_TEMPERATURE, check_adapter, check_gguf_export, check_output_file,
+                            check_quantizer_file, model_context, require_at_most, require_device, require_non_negative,
+                            require_positive, require_precision, require_seed)
 from .data import TextDecoding, list_text_files
-from .files import check_out_apart_from_inputs
 from .device import MATMUL_PRECISIONS
+from .files import check_out_apart_from_inputs
 from .loss import KDLossConfig
 from .quant import get_preset
 from .runs import recorded_quant
@@ -64,11 +65,11 @@ class StudentSpec:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model is required: the full-precision model folder, .gguf file or hub name")
+        self.quant_from_run()  # every command: a quantiser or adapter is refused under another preset than its run's
         if self.quant:
             get_preset(self.quant)
         if self.quantizer and not self.quant:
             raise ValueError("--quantizer needs --quant: it belongs to a quantised student (pass the run's --quant)")
-        self._check_quantizer_file()
         models.check_model(self.model)  # a missing folder or a damaged config.json, in milliseconds
 
     def _check_quantizer_file(self) -> None:
@@ -167,12 +168,12 @@ class TrainConfig(StudentSpec):
         require_precision(self.precision)
         require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps")
         require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
-        require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", note=" (0 = off)")
+        require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", "warmup_steps", note=" (0 = off)")
         require_positive(self, "lr", "weight_lr_ratio", "lora_alpha", "temperature", "dist_timeout_s", finite=True)
+        require_at_most(self, lr=MAX_LR, temperature=MAX_TEMPERATURE, weight_lr_ratio=MAX_LR_RATIO)
         # clip_grad_norm_ scales by max_norm / norm capped at 1: a negative norm reverses the update, 0 erases it;
         # inf is a valid "no clipping" (the factor caps at 1).
         require_positive(self, "max_grad_norm", "lora_r")
-        require_non_negative(self, "warmup_steps")
         require_non_negative(self, "weight_decay", finite=True)
         require_seed(self.seed)
         require_device(self.device)
@@ -285,6 +286,7 @@ class QuantizeConfig(StudentSpec):
             raise ValueError("--blockwise-steps needs --cache: the blocks are fitted on its training split")
         require_positive(self, "calib_sequences", "batch_size")
         require_positive(self, "blockwise_lr", "blockwise_quant_lr", finite=True)
+        require_at_most(self, blockwise_lr=MAX_LR, blockwise_quant_lr=MAX_LR)
         require_non_negative(self, "blockwise_steps")
         if self.blockwise_steps and self.batch_size > self.calib_sequences:
             raise ValueError(f"--batch-size {self.batch_size}: block-wise steps draw batches from the "
@@ -340,7 +342,9 @@ class RecoverConfig(StudentSpec):
             raise ValueError(f"--qat {self.qat!r}: choose one of {', '.join(QAT_STAGES)}")
         require_positive(self, "calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps")
         require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
-        require_positive(self, "qat_lr", "weight_lr", "lr", "blockwise_lr", "blockwise_quant_lr", finite=True)
+        rates = ("qat_lr", "weight_lr", "lr", "blockwise_lr", "blockwise_quant_lr")
+        require_positive(self, *rates, finite=True)
+        require_at_most(self, **dict.fromkeys(rates, MAX_LR))
         require_seed(self.seed)
         require_device(self.device)  # it reaches the device only in stage 2, after the init has run
         if not self.quant:
@@ -391,6 +395,7 @@ class ExportConfig(StudentSpec):
         require_non_negative(self, "resnap_steps", note=" (0 = off)")
         require_positive(self, "batch_size")
         require_positive(self, "resnap_lr", finite=True)
+        require_at_most(self, resnap_lr=MAX_LR)
         for flag in ("merge_adapter", "merge_fp", "cache"):
             if getattr(self, flag) and not self.adapter:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --adapter (the run's adapter/ folder)")
@@ -468,6 +473,7 @@ class DemoConfig:
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
         require_positive(self, "lr", finite=True)
+        require_at_most(self, lr=MAX_LR)
         require_device(self.device)
 
 

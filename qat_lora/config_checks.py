@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from . import models
 from .device import DEVICE_CHOICES, PRECISIONS
-from .files import first_line
+from .files import first_line, owned_by
 
 
 def require_positive(cfg, *names: str, finite: bool = False) -> None:
@@ -29,6 +29,18 @@ def require_non_negative(cfg, *names: str, note: str = "", finite: bool = False)
         value = getattr(cfg, name)
         if not value >= 0 or (finite and not math.isfinite(value)):
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= 0" + " and finite" * finite + note)
+
+
+# Upper bounds past which a value is a typo, not a setting: AdamW moves each weight by about lr per step, so an lr
+# above 1 erases the model (and 1e308 overflows float32 in the update); T**2 scales the loss (1e308 overflows).
+MAX_LR, MAX_LR_RATIO, MAX_TEMPERATURE = 1.0, 1000.0, 100.0
+
+
+def require_at_most(cfg, **limits: float) -> None:
+    """One-line errors for flags above their limit (`require_at_most(cfg, lr=MAX_LR)`)."""
+    for name, limit in limits.items():
+        if getattr(cfg, name) > limit:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at most {limit:g}")
 
 
 SEED_LIMIT = 2 ** 32  # numpy and torch_xla take uint32 seeds; the cache's batch order multiplies it by ~1e6 in int64
@@ -63,6 +75,9 @@ def check_quantizer_file(path: str) -> None:
                          "rerun the stage that wrote it") from None
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's file name
+
+
 def check_adapter(adapter: str) -> None:
     """--adapter is a PEFT folder with intact files: checked now, not once the model has loaded."""
     if not adapter:
@@ -71,24 +86,36 @@ def check_adapter(adapter: str) -> None:
     if not config.is_file():
         raise ValueError(f"--adapter {adapter}: no adapter_config.json; pass a run's adapter/ folder")
     try:
-        json.loads(config.read_text(encoding="utf-8"))
+        record = json.loads(config.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"--adapter {adapter}: {config} is not valid JSON (truncated?); use the run's intact "
                          "adapter/ or a checkpoint's") from None
+    if not isinstance(record, dict) or record.get("peft_type") != "LORA" or not isinstance(record.get("r"), int):
+        raise ValueError(f"--adapter {adapter}: {config} is not a PEFT LoRA config (peft_type LORA, an integer r); "
+                         "use the run's intact adapter/ or a checkpoint's")
+    weights = Path(adapter) / ADAPTER_WEIGHTS
+    if not weights.is_file():  # PEFT would look for it on the hub instead: a download, never what was meant
+        raise ValueError(f"--adapter {adapter}: no {ADAPTER_WEIGHTS}; pass a run's adapter/ folder (qat-lora never "
+                         "loads pickled adapter_model.bin)")
     try:
-        for weights in Path(adapter).glob("*.safetensors"):
-            safe_open(str(weights), "pt").keys()  # the header only: a cut-short file fails here
+        safe_open(str(weights), "pt").keys()  # the header only: a cut-short file fails here
     except SafetensorError as e:  # the message lora.load_recovery_lora gives once the model has loaded
         raise ValueError(f"--adapter {adapter}: its weights are damaged or truncated ({e}); use the run's intact "
                          "adapter/ or a checkpoint's") from None
 
 
+EVAL_KIND = "eval"  # the stamp of an eval's --json-out: only such a file is replaced by the next eval
+
+
 def check_output_file(path: str, flag: str) -> None:
-    """A results file must be writable where it is named: found now, not after the metrics were computed."""
+    """A results file must be writable where it is named, and replace only an earlier result: found now, not
+    after the metrics were computed."""
     if not path:
         return
     if Path(path).is_dir():
         raise ValueError(f"{flag} {path}: is a folder; pass a file name")
+    if Path(path).exists() and not owned_by(path, EVAL_KIND, legacy_keys=("config",)):
+        raise ValueError(f"{flag} {path}: exists and is not an earlier `qat-lora eval` result; pass a new file name")
     blocker = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ValueError(f"{flag} {path}: {blocker} is a file, not a folder; pass another path")

@@ -10,7 +10,8 @@ from dataclasses import asdict
 from . import device as dev, models
 from .cache import KDCache
 from .config import EvalConfig
-from .files import atomic_write_json
+from .config_checks import EVAL_KIND
+from .files import atomic_write_json, owner_stamp
 from .metrics import kd_metrics, perplexity
 from .student import load_student, resolve_attn
 
@@ -34,6 +35,6 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         cache.check_compatible(tokenizer, models.vocab_size(model), models.max_positions(model))
         result.update(kd_metrics(model, cache, cfg.batch_size, device, progress=True, amp_dtype=amp_dtype))
     if cfg.json_out:
-        atomic_write_json(cfg.json_out, {**result, "config": asdict(cfg)})
+        atomic_write_json(cfg.json_out, {**owner_stamp(EVAL_KIND), **result, "config": asdict(cfg)})
     log(json.dumps(result, indent=2))
     return result

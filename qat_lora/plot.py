@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .runs import METRICS_FILE, read_metrics
@@ -39,6 +40,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax_lr.set(xlabel="step", ylabel="learning rate")
     fig.tight_layout()
     path = Path(out) if out else Path(run_dir) / PLOT_FILE
-    fig.savefig(path, dpi=100)
+    tmp = path.with_name(path.name + ".tmp")  # then renamed: a link at `path` is replaced, never written through
+    fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
+    os.replace(tmp, path)
     plt.close(fig)
     return path

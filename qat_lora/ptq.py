@@ -30,8 +30,8 @@ from .files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, 
                     require_folder)
 from .gptq import gptq_
 from .quant import get_preset, quant_config_dict, quantize_
-from .runs import INIT_REPORT_FILE, QUANTIZER_FILE
-from .student import save_quantizer_state
+from .runs import INIT_REPORT_FILE, QUANTIZER_FILE, RunDiverged
+from .student import quantizer_state_dict, save_quantizer_state
 
 REPORT_FILE = INIT_REPORT_FILE
 BLOCKS_DIR = "blocks"  # block-wise reconstruction's per-block states and progress.json
@@ -125,6 +125,10 @@ def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None]) -> dic
             model, teacher, batches, steps=cfg.blockwise_steps, lr_weights=cfg.blockwise_lr,
             lr_quant=cfg.blockwise_quant_lr, batch_size=cfg.batch_size, state_dir=out / BLOCKS_DIR, log=log)
     report["seconds"] = round(time.perf_counter() - started, 2)
+    broken = next((name for name, p in quantizer_state_dict(model).items() if not torch.isfinite(p).all()), None)
+    if broken is not None:  # never save a student that evaluates to NaN
+        raise RunDiverged(f"quantize: {broken} is not finite after the init; lower --blockwise-lr / "
+                          "--blockwise-quant-lr or --blockwise-steps")
     save_quantizer_state(model, out / QUANTIZER_FILE, codes=cfg.init == "gptq" or cfg.blockwise_steps > 0,
                          model_signature=inputs["model"])
     atomic_write_json(out / REPORT_FILE, report)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import threading
 from pathlib import Path
 
-from .files import owned_by, save_debris
+from .files import owned_by, read_record, save_debris
 
 ADAPTER_DIR = "adapter"
 QUANTIZER_FILE = "quantizer.safetensors"
@@ -39,6 +40,8 @@ CHECKPOINT_PREFIX = "checkpoint-"
 # config.json is the run's ownership record (files.owned_by): stamped with this kind; a run written before the
 # stamp existed is recognised by these keys, which a model's config.json never has.
 RUN_KIND, RUN_LEGACY_KEYS = "train-run", ("preset", "cache", "max_steps", "quant")
+# checkpoint-N and the temporary .checkpoint-N.tmp a save assembles it in: nothing else that starts alike.
+_CHECKPOINT_NAME = re.compile(rf"\.?{CHECKPOINT_PREFIX}\d+(\.tmp)?")
 # Everything a run writes at the top of its folder (checkpoints are matched by CHECKPOINT_PREFIX).
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, COMPILE_REPORT_FILE, ADAPTER_DIR, QUANTIZER_FILE, BEST_DIR,
              TENSORBOARD_DIR, WANDB_DIR, WANDB_ID_FILE)
@@ -49,9 +52,9 @@ class RunDiverged(RuntimeError):
 
 
 def read_config(run_dir: str | Path) -> dict | None:
-    """The run's config.json, or None when the folder holds no run."""
-    path = Path(run_dir) / CONFIG_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    """The run's config.json, or None when the folder holds no run (or a damaged one: check_run_folder, which
+    every writer calls first, refuses a config.json that is not a run's)."""
+    return read_record(Path(run_dir) / CONFIG_FILE)
 
 
 def recorded_quant(artefact: str | Path) -> tuple[str, Path] | None:
@@ -74,9 +77,10 @@ def recorded_quant(artefact: str | Path) -> tuple[str, Path] | None:
 
 
 def read_summary(run_dir: str | Path) -> dict | None:
-    """The summary of a finished run, or None while it is unfinished."""
-    path = Path(run_dir) / SUMMARY_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    """The summary of a finished run, or None while it is unfinished (or its summary is damaged: the run is then
+    resumed from its last checkpoint, or refused, never taken as finished)."""
+    summary = read_record(Path(run_dir) / SUMMARY_FILE)
+    return summary if summary is not None and isinstance(summary.get("steps"), int) else None
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
@@ -88,8 +92,13 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         raise ValueError(f"{path} not found; pass a run folder written by `qat-lora train`")
-    records = _read_jsonl(path)
-    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+    records = [r for r in _read_jsonl(path) if isinstance(r, dict) and _number(r.get("step"))]
+    return ([r for r in records if _number(r.get("loss")) and _number(r.get("lr"))],
+            [r for r in records if _number(r.get("eval_loss"))])
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -173,7 +182,7 @@ def check_run_folder(out: str | Path) -> None:
             raise ValueError(f"--out {out}: its {CONFIG_FILE} was not written by a qat-lora run (a model folder?); "
                              "choose another folder for the run")
         return
-    taken = sorted(p.name for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(CHECKPOINT_PREFIX))
+    taken = sorted(p.name for p in out.iterdir() if p.name in RUN_FILES or _CHECKPOINT_NAME.fullmatch(p.name))
     if taken:
         raise ValueError(f"--out {out}: holds {', '.join(taken[:3])} that no qat-lora run recorded there; choose an "
                          "empty or new folder")
@@ -195,8 +204,11 @@ def prepare_run_dir(out: str | Path, *, overwrite: bool, resume_auto: bool, resu
         if not (overwrite or resume_auto):
             raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
                              "another folder")
-        for path in [out / name for name in RUN_FILES] + list(out.glob(CHECKPOINT_PREFIX + "*")) + \
-                list(out.glob(f".{CHECKPOINT_PREFIX}*")) + save_debris(out, RUN_FILES):
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        checkpoints = [p for p in out.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name)]
+        for path in [out / name for name in RUN_FILES] + checkpoints + save_debris(out, RUN_FILES):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)  # a link is removed, never what it points to
     out.mkdir(parents=True, exist_ok=True)
     return out

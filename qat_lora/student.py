@@ -39,8 +39,8 @@ def _recorded_signature(flag: str, path: str | Path) -> str | None:
 
     path = Path(path)
     if path.is_dir():
-        record = read_record(path / ADAPTER_RECORD) or {}
-        return record.get(MODEL_SIGNATURE_KEY)
+        recorded = (read_record(path / ADAPTER_RECORD) or {}).get(MODEL_SIGNATURE_KEY)
+        return recorded if isinstance(recorded, str) else None  # a damaged record checks nothing
     if not path.is_file():
         return None  # missing: the loader that reads it names it
     try:

@@ -119,7 +119,7 @@ def _check_run_dir(cfg: TrainConfig, inputs: dict, log: Callable[[str], None]) -
     saved = runs.read_config(out)
     if resume_from is not None:
         state = read_record(resume_from / ckpt.STATE_FILE) or {}  # an unreadable one: load_checkpoint says so
-        ckpt.check_same_inputs(state.get("inputs"), inputs, resume_from, asdict(cfg))
+        ckpt.check_same_inputs(state.get("inputs"), inputs, resume_from, state.get("config") or asdict(cfg))
     elif saved is not None and not cfg.overwrite:
         if cfg.resume != "auto":
             raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
@@ -371,7 +371,7 @@ def _finished_run(cfg: TrainConfig, log: Callable[[str], None]) -> dict | None:
         return None
     runs.check_run_folder(cfg.out)
     saved = runs.read_config(cfg.out) or {}
-    ckpt.check_same_inputs(saved.get("inputs"), run_inputs(cfg), Path(cfg.out), asdict(cfg))
+    ckpt.check_same_inputs(saved.get("inputs"), run_inputs(cfg), Path(cfg.out), saved)
     saved = {**field_defaults(TrainConfig), **saved}  # a field added since the run was saved: its default
     ckpt.check_resumable({k: saved.get(k) for k in asdict(cfg)}, asdict(cfg), Path(cfg.out))
     log(f"{cfg.out} already holds a finished run of {cfg.max_steps} steps; nothing to resume")

@@ -40,6 +40,9 @@ BAD_VALUES = [
      "--seed -1: must be in [0, 4294967295]"),
     # 3. values that trained silently wrong (reversed or erased updates, a dead LoRA) or diverged a step later.
     (TRAIN + ["--max-grad-norm", "-1"], "--max-grad-norm -1.0: must be positive"),
+    (TRAIN + ["--lr", "1e308"], "--lr 1e+308: must be at most 1"),
+    (TRAIN + ["--temperature", "1e308"], "--temperature 1e+308: must be at most 100"),
+    (RECOVER + ["--weight-lr", "2"], "--weight-lr 2.0: must be at most 1"),
     (TRAIN + ["--max-grad-norm", "0"], "--max-grad-norm 0.0: must be positive"),
     (TRAIN + ["--warmup-steps", "-1"], "--warmup-steps -1: must be >= 0"),
     (TRAIN + ["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0"),

@@ -247,7 +247,7 @@ def test_resume_after_an_input_changed_is_refused(changed, finished, finished_ru
         state.write_text(json.dumps(saved))
     before = _snapshot(run)
     code, err = run_cli(argv, capsys)
-    assert code == 2 and len(err) == 1 and f"--{changed} " in err[0] and "contents changed since" in err[0], err
+    assert code == 2 and len(err) == 1 and f"--{changed} " in err[0] and "whose contents differ" in err[0], err
     assert _snapshot(run) == before
 
 
