@@ -18,7 +18,7 @@ from .cache import KDCache
 from .cache_build import build_cache
 from .config import DemoConfig, QuantizeConfig, StudentSpec, TrainConfig
 from .config_data import CacheBuildConfig
-from .files import atomic_write_json
+from .files import atomic_write_json, owned_by, owner_stamp
 from .metrics import kd_metrics, perplexity
 from .models import load_tokenizer
 from .ptq import init_is_current, quantize
@@ -63,12 +63,27 @@ def _train_config(cfg: DemoConfig, teacher: str, cache_dir: Path, quantizer: str
     return replace(run, out=str(work / f"run-{cfg.quant}-{cfg.init}-{key}"))
 
 
+def _check_work_dir(work: Path) -> None:
+    """The demo writes its own sub-folders (each refuses what its writer did not write) and demo.json: a model
+    folder, or a demo.json that no demo wrote, is refused before anything downloads."""
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--work-dir {work}: is a file; pass a folder for the demo")
+    if (work / "config.json").exists():
+        raise ValueError(f"--work-dir {work}: holds a config.json (a model folder?); choose an empty or new folder")
+    if (work / RESULT_FILE).exists() and not owned_by(work / RESULT_FILE, DEMO_KIND, ("rows", "gap_recovered")):
+        raise ValueError(f"--work-dir {work}: holds a {RESULT_FILE} that no demo wrote; choose an empty or new folder")
+
+
+DEMO_KIND, RESULT_FILE = "demo", "demo.json"
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo end to end; prints the table and writes `work_dir/demo.json`."""
     from .assets import fetch_assets
 
     started = time.perf_counter()
     work = Path(cfg.work_dir)
+    _check_work_dir(work)
     assets = fetch_assets(Path(cfg.assets_dir) if cfg.assets_dir else None)
     teacher = str(assets.teacher_dir)
     device = dev.resolve_device(cfg.device)
@@ -92,9 +107,9 @@ def run_demo(cfg: DemoConfig) -> dict:
             for name, quant, state, adapter in students]
     teacher_ppl, ptq_ppl, rec_ppl = rows[0]["ppl"], rows[1]["ppl"], rows[-1]["ppl"]
     gap = (ptq_ppl - rec_ppl) / (ptq_ppl - teacher_ppl) if ptq_ppl != teacher_ppl else float("nan")
-    result = {"config": cfg.__dict__, "rows": rows, "gap_recovered": gap, "train": summary,
+    result = {**owner_stamp(DEMO_KIND), "config": cfg.__dict__, "rows": rows, "gap_recovered": gap, "train": summary,
               "wall_s": round(time.perf_counter() - started, 1)}
-    atomic_write_json(work / "demo.json", result)
+    atomic_write_json(work / RESULT_FILE, result)
     init = f" {rows[2]['ppl']:.2f} |" if quantizer else " – |"
     print(f"\n| teacher ppl | PTQ ppl ({cfg.quant}) | {cfg.init} init ppl | recovered ppl | gap recovered | time |\n"
           f"|---|---|---|---|---|---|\n"

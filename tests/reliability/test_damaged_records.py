@@ -170,3 +170,14 @@ def test_quantize_never_saves_a_nan_init(teacher_dir, cache_dir, tmp_path, capsy
                          "--out", str(out)], capsys)
     assert code == 1 and len(err) == 1 and "is not finite after the init" in err[0], err
     assert not (out / "quantizer.safetensors").exists()
+
+
+@pytest.mark.parametrize("found", ["config.json", "demo.json"])
+def test_demo_never_writes_into_a_model_folder_or_over_a_users_demo_json(found, tmp_path, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / found).write_text('{"notes": "mine"}')
+    code, err = run_cli(["demo", "--work-dir", str(work), "--assets-dir", str(tmp_path / "assets")], capsys)
+    assert code == 2 and len(err) == 1 and f"--work-dir {work}: holds a" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]  # nothing downloaded, nothing written
+    assert (work / found).read_text() == '{"notes": "mine"}'
