@@ -127,20 +127,22 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torch
     return final
 
 
-# What `_restore` reads from state.json, with its type: a state without them is damaged, not a KeyError.
-_STATE_FIELDS = {"files": dict, "step": int, "world_size": int, "config": dict, "optimizer": dict, "scheduler": dict,
+# What the trainer's resume reads from state.json, with its type: a state without them is damaged, not a KeyError.
+RESUME_FIELDS = {"step": int, "world_size": int, "config": dict, "optimizer": dict, "scheduler": dict,
                  "best_eval_loss": (int, float, type(None))}
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why a checkpoint folder cannot be resumed (incomplete, a file missing or changed), or None if intact."""
+def checkpoint_problem(path: Path, resume: bool = False) -> str | None:
+    """Why a checkpoint folder cannot be read (incomplete, a file missing or changed), or None if intact; with
+    `resume`, also why the trainer could not resume it (a field it reads missing)."""
     if not (path / STATE_FILE).exists():
         return f"not a complete checkpoint (no {STATE_FILE})"
     try:
         state = json.loads((path / STATE_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return f"{STATE_FILE} is damaged"
-    wrong = [k for k, kind in _STATE_FIELDS.items() if not isinstance(state, dict) or not isinstance(state.get(k), kind)]
+    fields = {"files": dict, **(RESUME_FIELDS if resume else {})}
+    wrong = [k for k, kind in fields.items() if not isinstance(state, dict) or not isinstance(state.get(k), kind)]
     if wrong:
         return f"{STATE_FILE} is damaged (no valid `{wrong[0]}`)"
     for name, digest in state["files"].items():
@@ -154,14 +156,15 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """Read a checkpoint folder: ({file name: tensors}, state), after checking every file's checksum.
+def load_checkpoint(path: str | Path, resume: bool = False) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """Read a checkpoint folder: ({file name: tensors}, state), after checking every file's checksum (and, with
+    `resume`, the fields the trainer's resume reads).
 
     Raises:
         ValueError: an incomplete or damaged checkpoint, naming the file.
     """
     path = Path(path)
-    problem = checkpoint_problem(path)
+    problem = checkpoint_problem(path, resume)
     if problem:
         raise ValueError(f"--resume {path}: {problem}; pass another checkpoint-N folder or auto")
     state = json.loads((path / STATE_FILE).read_text())
@@ -182,7 +185,7 @@ def find_resume_point(run_dir: Path, resume: str, log: Callable[[str], None] = p
     if resume == "auto":
         found_any = list_checkpoints(run_dir)
         for found in reversed(found_any):
-            problem = checkpoint_problem(found)
+            problem = checkpoint_problem(found, resume=True)
             if problem is None:
                 return found
             log(f"--resume auto: {found.name} cannot be resumed ({problem}); trying an older checkpoint")

@@ -237,7 +237,7 @@ def _save_checkpoint(run: _Run) -> Path | None:
 @torch.no_grad()
 def _restore(run: _Run, path: Path) -> None:
     """Load parameters, optimizer, scheduler, this rank's RNG and the step from a checkpoint (DESIGN §6)."""
-    tensors, state = ckpt.load_checkpoint(path)
+    tensors, state = ckpt.load_checkpoint(path, resume=True)
     ckpt.check_resumable({**field_defaults(TrainConfig), **state["config"]}, asdict(run.cfg), path)
     chips = run.backend.world_size * run.backend.data_parallel
     if state["world_size"] != chips:
