@@ -25,7 +25,15 @@ def save_debris(folder: Path, ours: Collection[str] | None = None) -> list[Path]
 
 
 def umask() -> int:
-    """This process's umask (read by setting it and restoring it at once)."""
+    """This process's umask. Linux reports it in /proc (a read); elsewhere it is set and restored at once, which
+    for that instant would give files another thread creates the default mode, so /proc comes first (the cache
+    writer saves shards from a thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
