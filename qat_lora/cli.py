@@ -121,14 +121,14 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from .config import ExportConfig
+    from .config_use import ExportConfig
     from .export import export
 
     export(config_from_args(ExportConfig, args))
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from .config import GenerateConfig
+    from .config_use import GenerateConfig
     from .generate import generate
 
     if not args.prompt:
@@ -137,14 +137,14 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from .config import GenerateConfig
+    from .config_use import GenerateConfig
     from .generate import chat
 
     chat(config_from_args(GenerateConfig, args))
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from .config import DemoConfig
+    from .config_use import DemoConfig
     from .demo import run_demo
 
     run_demo(config_from_args(DemoConfig, args))
@@ -199,7 +199,8 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     the name of the script in scripts/ that runs it, and `defaults` are that script's own defaults (what its
     --help shows)."""
     from . import __version__
-    from .config import DemoConfig, EvalConfig, ExportConfig, GenerateConfig, QuantizeConfig, RecoverConfig, TrainConfig
+    from .config import EvalConfig, QuantizeConfig, RecoverConfig, TrainConfig
+    from .config_use import DemoConfig, ExportConfig, GenerateConfig
     from .config_data import CacheBuildConfig, GenerateDataConfig
 
     parser = _Parser(prog="qat-lora", description=__doc__.split("\n")[0])

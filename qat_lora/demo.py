@@ -16,7 +16,8 @@ from pathlib import Path
 from . import device as dev
 from .cache import KDCache
 from .cache_build import build_cache
-from .config import DemoConfig, QuantizeConfig, StudentSpec, TrainConfig
+from .config import QuantizeConfig, StudentSpec, TrainConfig
+from .config_use import DemoConfig
 from .config_data import CacheBuildConfig
 from .files import atomic_write_json, owned_by, owner_stamp
 from .metrics import kd_metrics, perplexity

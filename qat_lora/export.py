@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from . import models
-from .config import ExportConfig, StudentSpec, TrainConfig
+from .config import StudentSpec, TrainConfig
+from .config_use import ExportConfig
 from .export_merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
                            student_and_base_metrics)
 from .export_ct import CT_DIR, save_compressed_tensors

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from . import device as dev, models
-from .config import GenerateConfig
+from .config_use import GenerateConfig
 from .student import load_student
 
 

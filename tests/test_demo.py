@@ -5,7 +5,7 @@ import json
 
 import qat_lora.assets
 from qat_lora.assets import Assets
-from qat_lora.config import DemoConfig
+from qat_lora.config_use import DemoConfig
 from qat_lora.demo import run_demo
 
 

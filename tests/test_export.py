@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from qat_lora.cache import KDCache
 from qat_lora.cli import main
-from qat_lora.config import ExportConfig, StudentSpec
+from qat_lora.config import StudentSpec
+from qat_lora.config_use import ExportConfig
 from qat_lora.metrics import kd_metrics
 from qat_lora.export import (bits_per_weight, load_packed, pack_codes, read_packed_header,
                              save_packed, unpack_codes)

@@ -149,7 +149,7 @@ def test_resnap_stage_trains_the_merged_grid_back_toward_the_recovery(teacher_di
 
 
 def test_resnap_needs_the_merge_and_a_cache():
-    from qat_lora.config import ExportConfig
+    from qat_lora.config_use import ExportConfig
 
     with pytest.raises(ValueError, match="--resnap-steps needs --merge-adapter and --cache"):
         ExportConfig(model="m", quant=QUANT, adapter="a", merge_adapter=True, resnap_steps=10)

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qat_lora.cli import main
-from qat_lora.config import ExportConfig, StudentSpec
+from qat_lora.config import StudentSpec
+from qat_lora.config_use import ExportConfig
 from qat_lora.export_ct import pack_int32
 from qat_lora.quant import FakeQuantLinear
 from qat_lora.student import build_student

@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from conftest import save_random_adapter
 from qat_lora.cli import main
-from qat_lora.config import GenerateConfig, StudentSpec
+from qat_lora.config import StudentSpec
+from qat_lora.config_use import GenerateConfig
 from qat_lora.generate import chat, generate
 from qat_lora.student import load_student
 
@@ -101,7 +102,7 @@ import json, sys
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from qat_lora import device as dev
-from qat_lora.config import GenerateConfig
+from qat_lora.config_use import GenerateConfig
 from qat_lora.generate import generate
 
 model, adapter = sys.argv[1:3]

@@ -16,7 +16,7 @@ import qat_lora.train as train_module
 from qat_lora import __version__
 from qat_lora.assets import Assets
 from qat_lora.cli import main
-from qat_lora.config import DemoConfig
+from qat_lora.config_use import DemoConfig
 from qat_lora.demo import run_demo
 
 ROOT = Path(__file__).resolve().parents[2]
