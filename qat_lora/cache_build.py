@@ -27,6 +27,7 @@ from tqdm import tqdm
 from . import __version__, data, device as dev, models
 from .cache import MANIFEST, SCHEMA_VERSION
 from .config_data import CacheBuildConfig
+from .distributed import Backend
 from .files import (SAFETENSORS_TEMP, FolderLock, apply_umask, atomic_write_json, check_out_apart_from_inputs,
                     owner_stamp, read_record, save_debris, save_safetensors, sha256_file)
 from .runs import StopSignal
@@ -203,17 +204,21 @@ def _load_teacher(cfg: CacheBuildConfig):
     return tokenizer, teacher
 
 
-def _teacher_to(teacher: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Parameters to `dtype` on `device`; buffers stay fp32, as from_pretrained(dtype=...) leaves them (the
-    rotary frequencies in bf16 would shift every position's angle)."""
+def _teacher_to(teacher: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                backend: Backend | None = None) -> None:
+    """Parameters to `dtype` on `device` (fsdp: split over the devices as they move); buffers stay fp32, as
+    from_pretrained(dtype=...) leaves them (the rotary frequencies in bf16 would shift every position's angle)."""
     for param in teacher.parameters():
         param.data = param.data.to(dtype)
-    teacher.to(device)
+    (backend or Backend()).shard_model_(teacher.requires_grad_(False), device)  # frozen: fsdp splits it all
 
 
-def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Path:
+def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print, backend: Backend | None = None) -> Path:
     """Run the teacher over this rank's sequences and write its shards; with one rank also the manifest.
 
+    `backend`: an SPMD one (launch.build_cache_on_chips with `--parallel spmd / fsdp`) spreads each batch over the
+    host's XLA devices, `batch_size` rows per device, and with fsdp the teacher's weights too
+    (sharding.FsdpBackend), so a teacher larger than one chip fits; the shards are the same as one device's.
     Returns the manifest path (one rank) or this rank's partial manifest (several ranks).
     Raises:
         ValueError: missing teacher or data, empty corpus, seq_len beyond the teacher's context, an existing
@@ -234,17 +239,18 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
     _check_teacher(cfg, progress, identity)
     packed = _tokenise(cfg, files, tokenizer)
     prepare_out(cfg)
+    backend = backend or Backend()
     # A builder among several on this host (launch.build_cache_on_chips, torchrun) drives its own GPU.
     device = dev.prepare_process(dev.resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0")),
                                  int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    _teacher_to(teacher, device, _TEACHER_DTYPE[cfg.dtype])
+    _teacher_to(teacher, device, _TEACHER_DTYPE[cfg.dtype], backend)
     encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
     writer = _ShardWriter(out, encoding, vocab, out / f"progress-r{cfg.rank:03d}.json", progress)
     # Until here a stop signal ends the process at once (nothing is written yet); from here it ends the build
     # between batches, after the shards already queued.
     with StopSignal() as stop:
         try:
-            elapsed = _run_teacher(cfg, teacher, device, encoding, packed, writer, stop, log)
+            elapsed, xla_loop = _run_teacher(cfg, teacher, device, backend, encoding, packed, writer, stop, log)
         except _Stopped as stopped:
             writer.close()  # the shards already queued are whole and recorded: --resume continues after them
             log(f"stopped by {signal.Signals(stopped.signum).name}: {sum(map(len, progress['shards'].values()))} "
@@ -256,7 +262,7 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Pa
                "header": _header(cfg, corpus, identity, tokenizer, vocab, encoding),
                "seconds": round(elapsed, 2)}
     if dev.is_xla(device):
-        partial["xla"] = dev.compile_metrics()  # this rank's graphs: one per batch shape, whatever the rank
+        partial["xla"] = xla_loop  # this rank's batch loop: one graph per batch shape, one run per batch
     path = out / f"manifest-r{cfg.rank:03d}.json"
     atomic_write_json(path, partial)
     log(f"{f'rank {cfg.rank}: ' if cfg.world_size > 1 else ''}shards written in {elapsed:.1f} s")
@@ -271,9 +277,10 @@ class _Stopped(Exception):
         self.signum = signum
 
 
-def _run_teacher(cfg: CacheBuildConfig, teacher, device, encoding, packed: dict, writer: _ShardWriter,
-                 stop: StopSignal, log: Callable[[str], None]) -> float:
-    """Every split's shards of this rank, after those `writer.progress` already holds; returns the seconds taken.
+def _run_teacher(cfg: CacheBuildConfig, teacher, device, backend: Backend, encoding, packed: dict,
+                 writer: _ShardWriter, stop: StopSignal, log: Callable[[str], None]) -> tuple[float, dict]:
+    """Every split's shards of this rank, after those `writer.progress` already holds; returns the seconds taken
+    and the XLA counters of the batch loop ({} off XLA; laying out an fsdp teacher's shards before it is not counted).
 
     Raises:
         _Stopped: a stop signal arrived (the writer is left for the caller to close).
@@ -284,20 +291,22 @@ def _run_teacher(cfg: CacheBuildConfig, teacher, device, encoding, packed: dict,
     total = sum(int(packed[s][1][mine[s]].sum()) for s in data.SPLITS)
     _warn_small_holdout(cfg, len(packed["heldout"][0]), log)
     who = f", rank {cfg.rank} of {cfg.world_size}" if cfg.world_size > 1 else ""  # one builder has no rank to name
-    log(f"teacher {cfg.teacher} on {device}{who}: {total:,} tokens, "
+    on = f"{device} ({backend.describe()})" if backend.data_parallel > 1 else f"{device}"
+    log(f"teacher {cfg.teacher} on {on}{who}: {total:,} tokens, "
         + ", ".join(f"{s} {len(mine[s])} x {cfg.seq_len}" for s in data.SPLITS)
         + (f", resuming after {sum(done.values())} sequences" if any(done.values()) else ""))
-    started = time.perf_counter()
+    started, before = time.perf_counter(), dev.compile_metrics()
     with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher") as bar:
         bar.update(sum(int(packed[s][1][mine[s][:done[s]]].sum()) for s in data.SPLITS))
         with dev.matmul_precision(device, cfg.matmul_precision):
             for split in data.SPLITS:
-                _build_split(cfg, teacher, device, encoding, split, packed[split], mine[split], done[split], writer,
-                             bar, stop)
+                _build_split(cfg, teacher, device, backend, encoding, split, packed[split], mine[split],
+                             done[split], writer, bar, stop)
     writer.close()
+    loop = dev.compile_metrics_since(before)
     if dev.is_xla(device):
-        log(f"XLA: {json.dumps(dev.compile_metrics())}")
-    return time.perf_counter() - started
+        log(f"XLA: {json.dumps(loop)}")
+    return time.perf_counter() - started, loop
 
 
 def _warn_small_holdout(cfg: CacheBuildConfig, sequences: int, log: Callable[[str], None]) -> None:
@@ -307,20 +316,24 @@ def _warn_small_holdout(cfg: CacheBuildConfig, sequences: int, log: Callable[[st
             "anything; raise --holdout-fraction or --max-tokens (or add documents)")
 
 
-def _build_split(cfg, teacher, device, encoding, split: str, packed: tuple[np.ndarray, np.ndarray],
+def _build_split(cfg, teacher, device, backend: Backend, encoding, split: str, packed: tuple[np.ndarray, np.ndarray],
                  rows: np.ndarray, done: int, writer: _ShardWriter, bar: tqdm, stop: StopSignal) -> None:
     input_ids, mask = packed
+    batch_size = cfg.batch_size * backend.data_parallel  # SPMD: --batch-size rows on each device
     for shard_start in range(done, len(rows), cfg.shard_sequences):
         shard_rows = rows[shard_start:shard_start + cfg.shard_sequences]
         selected: list[dict] = []
-        for start in range(0, len(shard_rows), cfg.batch_size):
+        for start in range(0, len(shard_rows), batch_size):
             if stop.signum is not None:  # checked per batch: a large shard of a large teacher takes minutes
                 raise _Stopped(stop.signum)
-            batch_rows = shard_rows[start:start + cfg.batch_size]
-            ids = np.zeros((cfg.batch_size, cfg.seq_len), dtype=np.int64)  # fixed shape: pad the last batch
+            batch_rows = shard_rows[start:start + batch_size]
+            ids = np.zeros((batch_size, cfg.seq_len), dtype=np.int64)  # fixed shape: pad the last batch
             ids[:len(batch_rows)] = input_ids[batch_rows]
             with torch.no_grad():
-                logits = teacher(input_ids=torch.from_numpy(ids).to(device)).logits
+                # SPMD: rows split over the devices and the logits kept split the same way; the selection is per
+                # row, so no device ever holds the whole B x L x V.
+                placed = backend.shard_rows_(torch.from_numpy(ids).to(device))
+                logits = backend.shard_rows_(teacher(input_ids=placed).logits)
             seeds = [_row_seed(cfg.seed, split, int(r)) for r in batch_rows]
             # The whole padded batch is selected (a short last batch compiles no second graph on XLA); select
             # fetches its results in one transfer, which runs the batch's graph once, and drops the pad rows.

@@ -56,6 +56,7 @@ class GenerateDataConfig(TextInput):
 TEACHER_DTYPES = ("fp32", "bf16")
 # Build flags added after caches existed, at the value that reproduces those caches: left out of the
 # fingerprint at that value, so an interrupted build from before them still resumes.
+BUILD_PARALLEL_MODES = ("auto", "processes", "spmd", "fsdp")
 _LATER_BUILD_FIELDS = {"dtype": "fp32", "matmul_precision": "default", "num_chips": 1, "text_encoding": "utf-8",
                        "text_errors": "strict"}
 
@@ -90,10 +91,16 @@ class CacheBuildConfig(TextInput):
     num_chips: int = field(default=0, metadata={"help": "builders on this host, one per chip (TPU: torch_xla.launch; "
                                                         "else one process each), ranks --rank x N + i of "
                                                         "--world-size x N; 0 = every TPU chip, one device elsewhere"})
+    parallel: str = field(default="auto", metadata={
+        "help": "with several chips: processes (one builder per chip, each holding the whole teacher; auto), spmd "
+                "(one process, each batch split over the chips) or fsdp (spmd with the teacher's weights split "
+                "too: a teacher larger than one chip)"})
     resume: bool = field(default=False, metadata={"help": "continue an interrupted build in --out"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing cache in --out"})
 
     def __post_init__(self) -> None:
+        if self.parallel not in BUILD_PARALLEL_MODES:
+            raise ValueError(f"--parallel {self.parallel!r}: choose one of {', '.join(BUILD_PARALLEL_MODES)}")
         if not self.teacher:
             raise ValueError("--teacher is required: the teacher's transformers folder, .gguf file or hub name")
         if not self.data:
@@ -124,7 +131,8 @@ class CacheBuildConfig(TextInput):
 
     def fingerprint(self) -> str:
         """What must match for --resume to continue a build (everything but resume/overwrite/device)."""
-        args = {k: v for k, v in asdict(self).items() if k not in ("resume", "overwrite", "device")}
+        # How the chips share the work changes nothing in the shards (tests/test_cache_spmd.py).
+        args = {k: v for k, v in asdict(self).items() if k not in ("resume", "overwrite", "device", "parallel")}
         for name, default in _LATER_BUILD_FIELDS.items():  # builds started before these existed still resume
             if args[name] == default:
                 del args[name]

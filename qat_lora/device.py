@@ -190,13 +190,23 @@ def compile_metrics() -> dict:
         "graphs_compiled": int(compile_time[0]) if compile_time else 0,
         "compile_seconds": float(compile_time[1]) / 1e9 if compile_time else 0.0,
         "uncached_compiles": int(met.counter_value("UncachedCompile") or 0),
-        "graph_executions": int((met.metric_data("ExecuteTime") or (0,))[0]),
+        # SPMD runs a graph on every device at once: ExecuteReplicated, one count per graph run.
+        "graph_executions": sum(int((met.metric_data(name) or (0,))[0]) for name in ("ExecuteTime",
+                                                                                     "ExecuteReplicatedTime")),
         "transfers_from_device": int((met.metric_data("TransferFromDeviceTime") or (0,))[0]),
         # Graphs loaded from the persistent cache, and graphs it did not hold (then compiled and written).
         "persistent_cache_hits": int(met.counter_value("PersistentCacheHit") or 0),
         "persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
         "cpu_fallback_ops": sorted(name for name in met.counter_names() if name.startswith("aten::")),
     }
+
+
+def compile_metrics_since(before: dict) -> dict:
+    """compile_metrics() of what ran after `before` (an earlier compile_metrics()): counts and seconds
+    subtracted, CPU fallbacks new since then."""
+    now = compile_metrics()
+    return {k: (sorted(set(v) - set(before.get(k, ()))) if isinstance(v, list) else v - before.get(k, 0))
+            for k, v in now.items()}
 
 
 XLA_CACHE_AUTO, XLA_CACHE_OFF = "auto", "off"
@@ -272,9 +282,37 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     fetched = iter(())
     if on_xla:
         import torch_xla
+        import torch_xla.runtime as xr
 
-        fetched = iter(torch_xla._XLAC._xla_get_cpu_tensors(on_xla))  # what xm.save does, minus the pickling
+        if xr.is_spmd():
+            fetched = iter(_from_device_shards(on_xla))
+        else:
+            fetched = iter(torch_xla._XLAC._xla_get_cpu_tensors(on_xla))  # what xm.save does, minus the pickling
     return [next(fetched) if is_xla(t.device) else t.detach().cpu() for t in tensors]
+
+
+def _from_device_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """SPMD: run the tensors' pending graph once, then copy each sharded result from every device's own buffer
+    into one host tensor. Reading a sharded tensor whole (_xla_get_cpu_tensors) would compile and run a gather
+    program on one device for every call: a second graph per batch, and the whole B x L x V on one chip."""
+    import torch_xla
+
+    torch_xla._XLAC._xla_sync_multi(tensors, [], True, True)  # wait: the shards are read right after
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    sharded = [i for i, t in enumerate(tensors) if "devices=" in torch_xla._XLAC._get_xla_sharding_spec(t)]
+    whole = [i for i in range(len(tensors)) if i not in sharded]
+    for i, host in zip(whole, torch_xla._XLAC._xla_get_cpu_tensors([tensors[i] for i in whole]) if whole else ()):
+        out[i] = host
+    if sharded:
+        shards = torch_xla._XLAC._get_local_shards([tensors[i] for i in sharded])
+        places = torch_xla._XLAC._get_local_shard_replica_and_indices([tensors[i] for i in sharded])
+        for i, pieces, where in zip(sharded, shards, places):
+            host = torch.empty(tensors[i].shape, dtype=tensors[i].dtype)
+            for (piece, _device), (_replica, index) in zip(pieces, where):
+                region = host[tuple(index)]
+                region.copy_(piece[tuple(slice(0, n) for n in region.shape)])  # an uneven last shard is padded
+            out[i] = host
+    return out
 
 
 def state_dict_to_cpu(state: dict) -> dict:

@@ -17,6 +17,7 @@ launch.py's job.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -50,9 +51,15 @@ class Backend:
         copied there (SPMD: split along the batch dimension); None: whole on the one device."""
         return None
 
-    def shard_model_(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Lay the placed model's parameters out over this process's devices (FSDP); unchanged elsewhere."""
-        return model
+    def shard_model_(self, model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
+        """Lay the model's parameters out over this process's devices (FSDP); elsewhere unchanged. With `device`,
+        the parameters are moved there first (FSDP: one at a time, each split as it arrives)."""
+        return model if device is None else model.to(device)
+
+    def shard_rows_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Lay a placed tensor out over this process's devices along its first (batch) dimension (SPMD); on an
+        intermediate result this constrains the compiler's layout (no device holds the whole); unchanged elsewhere."""
+        return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape and dtype on all ranks), on the CPU, in rank order."""
@@ -81,18 +88,25 @@ class Backend:
 class TorchDistributedBackend(Backend):
     """torch.distributed with NCCL on CUDA and gloo elsewhere, initialised from the launcher's environment."""
 
-    def __init__(self, device_type: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, device_type: str, timeout_s: float = 600.0, hosts: SpmdLayout | None = None) -> None:
+        """`hosts`: the host-level group of a multi-host SPMD run (one process per host, found through the TPU
+        runtime's `xla://` rendezvous); otherwise the launcher's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT."""
         import torch.distributed as dist
 
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise ValueError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} but {', '.join(missing)} unset; start ranks "
-                             "with qat-lora train --num-chips N or torchrun")
         self.name = "nccl" if device_type == "cuda" else "gloo"
-        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        if hosts is not None:
+            import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
+
+            self.rank, self.world_size, self.local_rank, init = hosts.host, hosts.hosts, 0, "xla://"
+        else:
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            if missing:
+                raise ValueError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} but {', '.join(missing)} unset; start "
+                                 "ranks with qat-lora train --num-chips N or torchrun")
+            self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            self.local_rank, init = int(os.environ.get("LOCAL_RANK", self.rank)), None
         # A bounded timeout: a rank that dies mid-collective makes the others fail instead of hanging forever.
-        dist.init_process_group(self.name, rank=self.rank, world_size=self.world_size,
+        dist.init_process_group(self.name, init_method=init, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=timeout_s))
         self._dist = dist
         self._comm = torch.device("cuda", self.local_rank) if self.name == "nccl" else torch.device("cpu")
@@ -170,9 +184,44 @@ class XlaBackend(Backend):
         return f"torch_xla replicas, rank {self.rank} of {self.world_size}"
 
 
+@dataclass(frozen=True)
+class SpmdLayout:
+    """Where this process sits in an SPMD run: host `host` of `hosts` (one process each: a TPU pod slice runs the
+    same command on every host), driving `local` of the mesh's `devices` devices."""
+
+    host: int
+    hosts: int
+    local: int
+    devices: int
+
+    @property
+    def mesh_shape(self) -> tuple[int]:
+        """One 'data' axis over every device of every host, in the runtime's global order (host-major): each host
+        feeds the rows of its own devices, and GSPMD's gradient all-reduce spans them all."""
+        return (self.devices,)
+
+
+def spmd_layout(host: int, hosts: int, local: int, devices: int) -> SpmdLayout:
+    """The layout the runtime reports, checked: every host drives the same number of devices.
+
+    Raises:
+        ValueError: the hosts' device counts do not add up (a slice started on some of its hosts only).
+    """
+    if not (0 <= host < hosts and local > 0 and devices == hosts * local):
+        raise ValueError(f"XLA runtime: host {host} of {hosts} drives {local} of {devices} devices; a multi-host run "
+                         "needs every host of the slice running the same command (gcloud ... ssh --worker=all)")
+    return SpmdLayout(host, hosts, local, devices)
+
+
 class SpmdBackend(Backend):
-    """One process driving every XLA device: the batch is sharded over a 1-D 'data' mesh and the compiler
-    inserts the gradient all-reduce, so the update equals the full-batch one. Create it before any XLA work."""
+    """One process per host driving all its XLA devices: the batch is sharded over a 1-D 'data' mesh and the
+    compiler inserts the gradient all-reduce, so the update equals the full-batch one. Create it before any XLA work.
+
+    On a multi-host slice (a TPU pod) every host runs the same command: the mesh spans every host's devices, host h
+    reads the cache rows of rank h of H (as torch.distributed ranks do) and feeds them to its own devices
+    (`minibatch` sharding: the global batch is the hosts' batches in host order), and the host-level agreement
+    (stop, save barrier, RNG states) goes through a gloo group over the runtime's own rendezvous.
+    """
 
     def __init__(self) -> None:
         import numpy as np
@@ -180,15 +229,40 @@ class SpmdBackend(Backend):
         import torch_xla.runtime as xr
 
         xr.use_spmd()
-        self.data_parallel = xr.global_runtime_device_count()
+        self.layout = spmd_layout(xr.process_index(), xr.process_count(), xr.addressable_runtime_device_count(),
+                                  xr.global_runtime_device_count())
+        self.rank, self.world_size, self.data_parallel = self.layout.host, self.layout.hosts, self.layout.local
         self._xs = xs
-        self._mesh = xs.Mesh(np.arange(self.data_parallel), (self.data_parallel,), ("data",))
+        self._mesh = xs.Mesh(np.arange(self.layout.devices), self.layout.mesh_shape, ("data",))
+        self._hosts = TorchDistributedBackend("cpu", hosts=self.layout) if self.layout.hosts > 1 else None
 
     def input_sharding(self, dims: dict[str, int]) -> dict:
-        return {name: self._xs.ShardingSpec(self._mesh, ("data",) + (None,) * (n - 1)) for name, n in dims.items()}
+        return {name: self._xs.ShardingSpec(self._mesh, ("data",) + (None,) * (n - 1),
+                                            minibatch=self.layout.hosts > 1) for name, n in dims.items()}
+
+    # Host-level collectives of a multi-host slice (one host: the single-process no-ops). The gradients need
+    # none: GSPMD reduces them over the whole mesh inside the step.
+    def rendezvous(self, tag: str) -> None:
+        if self._hosts is not None:
+            self._hosts.rendezvous(tag)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return super().all_gather(tensor) if self._hosts is None else self._hosts.all_gather(tensor)
+
+    def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
+        return super().agree(stop, finite) if self._hosts is None else self._hosts.agree(stop, finite)
+
+    def shutdown(self) -> None:
+        if self._hosts is not None:
+            self._hosts.shutdown()
+
+    def shard_rows_(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._xs.mark_sharding(tensor, self._mesh, ("data",) + (None,) * (tensor.dim() - 1))
+        return tensor
 
     def describe(self) -> str:
-        return f"XLA SPMD, batch sharded over {self.data_parallel} devices"
+        where = f" (host {self.rank} of {self.world_size}, {self.layout.devices} in all)" if self.world_size > 1 else ""
+        return f"XLA SPMD, batch sharded over {self.data_parallel} devices{where}"
 
 
 def init_backend(device: torch.device, timeout_s: float = 600.0) -> Backend:

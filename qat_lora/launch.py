@@ -108,20 +108,26 @@ def _xla_rank(index: int, cfg: TrainConfig) -> None:
     train(cfg, backend=backend)
 
 
-def _train_spmd(cfg: TrainConfig, fsdp: bool = False) -> int:
-    """One SPMD process over `cfg.num_chips` XLA devices (on the host CPU: CPU_NUM_DEVICES of them); with
-    `fsdp` the parameters are sharded over them too (sharding.FsdpBackend)."""
+def spmd_backend(num_chips: int, fsdp: bool):
+    """The one SPMD process over `num_chips` XLA devices (on the host CPU: CPU_NUM_DEVICES of them) that
+    `--parallel spmd` trains and builds caches with; with `fsdp` the frozen parameters are sharded over them
+    too (sharding.FsdpBackend). Call before any XLA work."""
     from .distributed import SpmdBackend
     from .sharding import FsdpBackend
-    from .train import train
 
     os.environ.setdefault("PJRT_DEVICE", "TPU" if dev.tpu_present() else "CPU")
     if os.environ["PJRT_DEVICE"].upper() == "CPU":
-        os.environ["CPU_NUM_DEVICES"] = str(cfg.num_chips)
+        os.environ["CPU_NUM_DEVICES"] = str(num_chips)
     backend = FsdpBackend() if fsdp else SpmdBackend()
-    if backend.data_parallel != cfg.num_chips:
-        raise ValueError(f"--num-chips {cfg.num_chips}: this host has {backend.data_parallel} XLA devices")
-    train(cfg, backend=backend)
+    if backend.data_parallel != num_chips:
+        raise ValueError(f"--num-chips {num_chips}: this host has {backend.data_parallel} XLA devices")
+    return backend
+
+
+def _train_spmd(cfg: TrainConfig, fsdp: bool = False) -> int:
+    from .train import train
+
+    train(cfg, backend=spmd_backend(cfg.num_chips, fsdp))
     return 0
 
 
@@ -163,6 +169,18 @@ def _build_locked(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
     from .cache_build import build_cache, clear_debris, prepare_out
 
     chips = chips_to_use(cfg.num_chips, cfg.device)
+    if cfg.parallel in ("spmd", "fsdp"):
+        if not dev.wants_xla(cfg.device):
+            raise ValueError(f"--parallel {cfg.parallel} with --device {cfg.device}: SPMD needs --device xla or tpu; "
+                             "use --parallel processes")
+        if dev.tpu_present():
+            select_tpu_chips(chips, per_process=False, log=log)
+        backend = spmd_backend(chips, fsdp=cfg.parallel == "fsdp")
+        if backend.world_size > 1:  # the build places each batch as one host's whole: it cannot feed a pod's mesh
+            raise ValueError(f"--parallel {cfg.parallel} on a {backend.world_size}-host slice: build with --parallel "
+                             "processes on every host (each takes its share of the ranks), or on one host's chips")
+        built = build_cache(cfg, log, backend=backend)
+        return built if cfg.world_size == 1 else _merge_when_complete(cfg, log)
     if chips == 1:
         built = build_cache(replace(cfg, num_chips=1), log)
         if cfg.world_size == 1:

@@ -7,7 +7,7 @@ reduce-scatters their gradients, so each device keeps about 1/N of the frozen st
 replicated, with their optimizer states. torch_xla is imported inside functions only.
 
     backend = FsdpBackend()                      # before any XLA work: turns SPMD on
-    model = backend.shard_model_(model.to(device))
+    model = backend.shard_model_(model, device)  # each parameter split as it moves: no device holds it all
 """
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ def shard_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(-(-size // count) for size, count in zip(tensor.shape, counts))
 
 
+def held_bytes(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+    """{device: bytes} that each XLA device holds of `tensors`, read from the devices' own buffers (a copy of each
+    shard comes to the host: for tests and benchmarks, not for a hot path)."""
+    import torch_xla
+
+    held: dict[str, int] = {}
+    tensors = list(tensors)
+    for pieces in torch_xla._XLAC._get_local_shards(tensors):
+        for piece, device in pieces:
+            held[device] = held.get(device, 0) + piece.numel() * piece.element_size()
+    return held
+
+
 def device_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of `tensors` one device holds, from their shardings (replicated tensors count whole)."""
     return sum(math.prod(shard_shape(t)) * t.element_size() for t in tensors)
@@ -48,24 +61,35 @@ def device_bytes(tensors: Iterable[torch.Tensor]) -> int:
 class FsdpBackend(SpmdBackend):
     """SPMD over every XLA device with the batch AND the parameters sharded over the 'data' mesh axis."""
 
-    def shard_model_(self, model: torch.nn.Module) -> torch.nn.Module:
+    def shard_model_(self, model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
         """Mark each frozen parameter's sharding (in place): split along `shard_dim`, else replicated.
 
         Trainable parameters stay replicated: LoRA and quantiser tensors are small, and a sharded tensor leaving
-        the device (every save) would compile a gather program each time.
+        the device (every save) would compile a gather program each time. With `device`, host parameters move there
+        module by module, each split as it lands: no device ever holds more than one module's tensors whole, so a
+        model larger than one chip loads (model.to(device) first would copy all of it to every device).
         """
-        for p in model.parameters():
-            dim = None if p.requires_grad else shard_dim(tuple(p.shape), self.data_parallel)
-            if dim is not None:
-                spec = tuple("data" if d == dim else None for d in range(p.dim()))
-                self._xs.mark_sharding(p, self._mesh, spec)
+        if device is not None:
+            for module in model.modules():  # module by module, as model.to(device) converts them
+                module._apply(lambda t: t.to(device), recurse=False)
+                self._shard_(module.parameters(recurse=False))
+        else:
+            self._shard_(model.parameters())
         params = list(model.parameters())
         self._bytes = (device_bytes(params), sum(p.numel() * p.element_size() for p in params))
         return model
+
+    def _shard_(self, params: Iterable[torch.nn.Parameter]) -> None:
+        for p in params:
+            dim = None if p.requires_grad else shard_dim(tuple(p.shape), self.layout.devices)  # every host's
+            if dim is not None:
+                spec = tuple("data" if d == dim else None for d in range(p.dim()))
+                self._xs.mark_sharding(p, self._mesh, spec)
 
     _bytes: tuple[int, int] | None = None  # (per device, whole model) parameter bytes, once sharded
 
     def describe(self) -> str:
         held = "" if self._bytes is None else (f"; parameters {self._bytes[0] / 2**20:.2f} MiB per device of "
                                                f"{self._bytes[1] / 2**20:.2f} MiB")
-        return f"XLA SPMD (fsdp), batch and parameters sharded over {self.data_parallel} devices{held}"
+        where = f" (host {self.rank} of {self.world_size})" if self.world_size > 1 else ""
+        return f"XLA SPMD (fsdp), batch and parameters sharded over {self.layout.devices} devices{where}{held}"

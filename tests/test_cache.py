@@ -324,7 +324,7 @@ def test_teacher_dtype_and_matmul_precision_flags(reference, teacher_dir, corpus
     # At their defaults the new fields leave the resume fingerprint as it was before they existed.
     cfg = _config(teacher_dir, corpus_dir, tmp_path)
     before = {k: v for k, v in asdict(cfg).items()
-              if k not in ("resume", "overwrite", "device", "dtype", "matmul_precision",
+              if k not in ("resume", "overwrite", "device", "parallel", "dtype", "matmul_precision",
                            "text_encoding", "text_errors")}
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
     assert _config(teacher_dir, corpus_dir, tmp_path, dtype="bf16").fingerprint() != cfg.fingerprint()

@@ -53,8 +53,12 @@ def _torchrun_flags() -> set[str]:
     return {s for a in get_args_parser()._actions for s in a.option_strings if s.startswith("--")}
 
 
+# gcloud's own flags in the pod guide's `gcloud compute tpus tpu-vm create / ssh` lines (no gcloud here to ask).
+GCLOUD_FLAGS = {"--zone", "--accelerator-type", "--version", "--worker", "--command"}
+
+
 def test_every_guide_flag_exists_in_the_cli():
-    known = set().union(*_parsers().values(), _torchrun_flags())
+    known = set().union(*_parsers().values(), _torchrun_flags(), GCLOUD_FLAGS)
     flags = set(FLAG.findall(GUIDE.read_text()))
     assert {"--num-chips", "--xla-cache-dir", "--storage-dtype", "--resume"} <= flags  # the parser sees the guide
     assert not flags - known, f"docs/TPU.md names flag(s) no qat-lora command has: {sorted(flags - known)}"
