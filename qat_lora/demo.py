@@ -31,7 +31,7 @@ from .train import train
 def _ppl_row(name: str, model_path: str, quant: str, quantizer: str, adapter: str, tokenizer, cfg: DemoConfig,
              eval_text: str, cache: KDCache, device) -> dict:
     started = time.perf_counter()
-    model = load_student(StudentSpec(model_path, quant, quantizer), adapter).to(device)
+    model = dev.move_model_(load_student(StudentSpec(model_path, quant, quantizer), adapter), device)
     row = {"model": name, **perplexity(model, tokenizer, [eval_text], cfg.seq_len, cfg.eval_tokens, cfg.batch_size,
                                        device)}
     row.update(kd_metrics(model, cache, cfg.batch_size, device))

@@ -273,6 +273,33 @@ def memory_stats(device: torch.device) -> dict:
     return {"memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
 
 
+def move_model_(model: torch.nn.Module, device: torch.device,
+                on_module: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """model.to(device) module by module, keeping tied parameters tied; `on_module` sees each module once its own
+    tensors have arrived (fsdp splits them there).
+
+    Why not model.to(device): moving a CPU parameter to an XLA device makes a new Parameter (the tensor types
+    differ, so torch cannot swap the data in place), once per module that holds it, so a tied embedding and
+    lm_head become two copies on the device (measured: V x hidden x 4 bytes more, 13 % of Qwen3-0.6B).
+    """
+    # id of a host parameter -> (that parameter, kept alive so its id is not reused; its device copy)
+    moved: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+    for module in model.modules():
+        params = module._parameters
+        tied = {name: moved[id(p)][1] for name, p in params.items() if p is not None and id(p) in moved}
+        own = {name: p for name, p in params.items() if p is not None and name not in tied}
+        for name in tied:  # hidden from _apply, then pointed at the copy an earlier module made
+            params[name] = None
+        module._apply(lambda t: t.to(device), recurse=False)
+        for name, copy in tied.items():
+            params[name] = copy
+        for name, before in own.items():
+            moved[id(before)] = (before, params[name])
+        if on_module is not None:
+            on_module(module)
+    return model
+
+
 def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Detached CPU copies of `tensors`, in order. On XLA all of them come in ONE device-to-host transfer, and
     their pending graph runs once for all (a `.cpu()` each would be a transfer each, and may rerun the graph);

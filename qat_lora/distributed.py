@@ -54,7 +54,7 @@ class Backend:
     def shard_model_(self, model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
         """Lay the model's parameters out over this process's devices (FSDP); elsewhere unchanged. With `device`,
         the parameters are moved there first (FSDP: one at a time, each split as it arrives)."""
-        return model if device is None else model.to(device)
+        return model if device is None else dev.move_model_(model, device)
 
     def shard_rows_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Lay a placed tensor out over this process's devices along its first (batch) dimension (SPMD); on an

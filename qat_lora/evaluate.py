@@ -25,7 +25,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         dev.init_xla_cache(cfg.xla_cache_dir)  # no-op when this process compiled already (a notebook's 2nd call)
     amp_dtype = dev.autocast_dtype(device, cfg.precision)  # training's default autocast: the same loss values
     tokenizer = models.load_tokenizer(cfg.model)
-    model = load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)).to(device)
+    model = dev.move_model_(load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)), device)
     result: dict = {"model": cfg.model, "quant": cfg.quant or None, "adapter": cfg.adapter or None,
                     "quantizer": cfg.quantizer or None}
     if cfg.text:

@@ -112,7 +112,7 @@ def generate(cfg: GenerateConfig, on_text: Callable[[str], None] = _print_piece)
     device = dev.resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_generator(cfg)
-    new = generate_reply(model.to(device), tokenizer, [{"role": "user", "content": cfg.prompt}], cfg, device, on_text)
+    new = generate_reply(dev.move_model_(model, device), tokenizer, [{"role": "user", "content": cfg.prompt}], cfg, device, on_text)
     on_text("\n")
     return new
 
@@ -165,7 +165,7 @@ def chat(cfg: GenerateConfig, read: Callable[[str], str] = input,
     device = dev.resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_generator(cfg)
-    model = model.to(device)
+    model = dev.move_model_(model, device)
     with _tolerant_stdin():
         _converse(model, tokenizer, cfg, device, read, on_text)
 

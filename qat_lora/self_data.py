@@ -195,7 +195,7 @@ def _generate(cfg: GenerateDataConfig, out: Path, log: Callable[[str], None]) ->
     prompts, chat = _prompts(cfg, tokenizer, 4 * -(-cfg.tokens // cfg.max_new_tokens))
     model = models.load_causal_lm(cfg.model)
     device = dev.resolve_device(cfg.device)
-    model.to(device).eval()
+    dev.move_model_(model, device).eval()
     out.mkdir(parents=True, exist_ok=True)
     # The settings first, so a rerun with others is refused, not mixed.
     atomic_write_json(out / REPORT_FILE, {**owner_stamp("generate-data"), "config": asdict(cfg), "complete": False})

@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from . import device as dev
 from .distributed import SpmdBackend
 
 
@@ -69,10 +70,8 @@ class FsdpBackend(SpmdBackend):
         module by module, each split as it lands: no device ever holds more than one module's tensors whole, so a
         model larger than one chip loads (model.to(device) first would copy all of it to every device).
         """
-        if device is not None:
-            for module in model.modules():  # module by module, as model.to(device) converts them
-                module._apply(lambda t: t.to(device), recurse=False)
-                self._shard_(module.parameters(recurse=False))
+        if device is not None:  # module by module, tied parameters kept tied (one copy, split once)
+            dev.move_model_(model, device, on_module=lambda module: self._shard_(module.parameters(recurse=False)))
         else:
             self._shard_(model.parameters())
         params = list(model.parameters())

@@ -152,7 +152,7 @@ def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Bac
     backend.rendezvous("out-ready")
     dev.seed_everything(cfg.seed)  # same seed on every rank: identical initial adapters everywhere
     model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha)
-    model = backend.shard_model_(set_storage_dtype_(model, cfg.storage_dtype).to(device))
+    model = backend.shard_model_(set_storage_dtype_(model, cfg.storage_dtype), device)  # fsdp: split as it moves
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing_(model, device)
     model.train()

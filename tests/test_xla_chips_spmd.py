@@ -154,3 +154,44 @@ def test_fsdp_over_four_devices_makes_the_single_device_update(tmp_path, teacher
     assert 1 <= report["graphs_compiled"] <= 3 and report["graphs_compiled_after_step_2"] == 0, report
     for a, b in zip(one, bf16, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=0.03)
+
+
+TIED = """
+import json
+import torch, torch_xla
+from transformers import AutoModelForCausalLM, LlamaConfig
+from qat_lora.distributed import Backend
+from qat_lora.sharding import FsdpBackend, device_bytes
+
+def tied_model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True)).requires_grad_(False)
+
+fsdp = FsdpBackend()  # SPMD on before any tensor reaches the device (the plain move then replicates)
+device = torch_xla.device()
+ids = torch.tensor([[1, 7, 42, 3]])
+expected = tied_model()(input_ids=ids).logits
+report = {}
+for name, backend in (("replicated", Backend()), ("fsdp", fsdp)):
+    model = tied_model()
+    model = backend.shard_model_(model, device)
+    params = list(model.parameters())
+    report[name] = {"tied": model.lm_head.weight is model.model.embed_tokens.weight,
+                    "held": device_bytes(params), "total": sum(p.numel() * p.element_size() for p in params),
+                    "max_logit_diff": float((model(input_ids=ids.to(device)).logits.cpu() - expected).abs().max())}
+print(json.dumps(report))
+"""
+
+
+def test_a_tied_head_stays_one_tensor_on_the_device():
+    # model.to(xla) makes a new Parameter per module that holds a tied one: the head would be a second copy.
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", TIED], env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, row in report.items():
+        assert row["tied"] and row["max_logit_diff"] < 1e-5, (name, row)
+    assert report["replicated"]["held"] == report["replicated"]["total"]
+    assert report["fsdp"]["held"] * 4 == report["fsdp"]["total"] == report["replicated"]["total"], report
