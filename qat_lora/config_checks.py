@@ -133,7 +133,7 @@ def check_gguf_export(model: str) -> None:
     not write (from config.json; a .gguf --model is checked against its own metadata later)."""
     import importlib.util
 
-    from .gguf_export import gguf_architecture
+    from .gguf_arch import gguf_architecture
 
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("--format gguf needs the gguf package: pip install 'qat-lora[gguf]'")

@@ -104,6 +104,8 @@ class GenerateConfig(StudentSpec):
 @dataclass
 class DemoConfig:
     assets_dir: str = field(default="", metadata={"help": "asset folder (default: ~/.cache/qat-lora/assets)"})
+    teacher: str = field(default="smollm2-135m", metadata={"help": "the teacher fetch-assets prepares: smollm2-135m "
+                                                                  "or gemma3-270m"})
     work_dir: str = field(default="runs/demo", metadata={"help": "where the cache, run and results go"})
     quant: str = field(default="w3g64", metadata={"help": "quantisation preset of the student"})
     seq_len: int = field(default=256, metadata={"help": "sequence length for cache, training and eval"})
@@ -120,6 +122,9 @@ class DemoConfig:
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
 
     def __post_init__(self) -> None:
+        from .teachers import teacher_asset
+
+        teacher_asset(self.teacher)  # an unknown name is refused before anything downloads
         get_preset(self.quant)
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")

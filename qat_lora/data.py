@@ -215,18 +215,27 @@ def split_token_streams(docs: Iterable[tuple[Document, list[int]]], tokenizer, h
     return streams
 
 
-def pack(tokens: Sequence[int], seq_len: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def pack(tokens: Sequence[int], seq_len: int, pad_id: int = 0,
+         prefix: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Cut a token stream into [N, seq_len] rows; the last partial row is right-padded and masked.
+
+    `prefix` (models.sequence_prefix: the BOS token of models that need one, as Gemma) opens every row, followed
+    by the next seq_len - len(prefix) tokens of the stream.
 
     Returns:
         input_ids: [N, seq_len] int32; attention_mask: [N, seq_len] uint8 (1 = real token).
     """
-    n = -(-len(tokens) // seq_len)
+    width = seq_len - len(prefix)
+    if width <= 0:
+        raise ValueError(f"--seq-len {seq_len}: must be longer than the {len(prefix)} token(s) opening each sequence")
+    n = -(-len(tokens) // width)
     input_ids = np.full((n, seq_len), pad_id, dtype=np.int32)
     mask = np.zeros((n, seq_len), dtype=np.uint8)
-    flat_ids, flat_mask = input_ids.reshape(-1), mask.reshape(-1)
+    input_ids[:, :len(prefix)], mask[:, :len(prefix)] = np.asarray(prefix, dtype=np.int32), 1
+    flat_ids, flat_mask = input_ids[:, len(prefix):].reshape(-1), mask[:, len(prefix):].reshape(-1)
     flat_ids[: len(tokens)] = np.asarray(tokens, dtype=np.int32)
     flat_mask[: len(tokens)] = 1
+    input_ids[:, len(prefix):], mask[:, len(prefix):] = flat_ids.reshape(n, width), flat_mask.reshape(n, width)
     return input_ids, mask
 
 

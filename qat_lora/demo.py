@@ -85,10 +85,12 @@ def run_demo(cfg: DemoConfig) -> dict:
     started = time.perf_counter()
     work = Path(cfg.work_dir)
     _check_work_dir(work)
-    assets = fetch_assets(Path(cfg.assets_dir) if cfg.assets_dir else None)
+    assets = fetch_assets(Path(cfg.assets_dir) if cfg.assets_dir else None, teacher=cfg.teacher)
     teacher = str(assets.teacher_dir)
     device = dev.resolve_device(cfg.device)
-    cache_dir = work / f"cache-L{cfg.seq_len}-k{cfg.top_k}-{cfg.cache_tokens}"
+    # The default teacher keeps the folder name earlier demos wrote (their caches are reused); another is named.
+    named = "" if cfg.teacher == DemoConfig.teacher else f"{cfg.teacher}-"
+    cache_dir = work / f"cache-{named}L{cfg.seq_len}-k{cfg.top_k}-{cfg.cache_tokens}"
     if not (cache_dir / "manifest.json").exists():
         build_cache(CacheBuildConfig(teacher=teacher, data=[str(assets.train_text_dir)], out=str(cache_dir),
                                      seq_len=cfg.seq_len, top_k=cfg.top_k, max_tokens=cfg.cache_tokens,

@@ -97,8 +97,9 @@ def generate_reply(model, tokenizer, messages: list[dict], cfg: GenerateConfig, 
         else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     if dev.is_xla(device):  # fixed shapes per decode step: one compilation, not one per length
         sampling["cache_implementation"] = "static"
+    pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # Gemma's pad id is 0
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                         pad_token_id=pad,
                          streamer=_Streamer(tokenizer, ids.shape[1], on_text), **sampling)
     return out[0, ids.shape[1]:].tolist()
 

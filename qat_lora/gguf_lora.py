@@ -6,8 +6,9 @@
 
 Written as llama.cpp's convert_lora_to_gguf lays it out: general.type "adapter", adapter.type "lora",
 adapter.lora.alpha; per adapted linear `<base tensor name>.lora_a` (A, [r, in]) and `.lora_b` (B, [out, r]) in
-F32, where llama.cpp adds (alpha / r) * B @ A x. The base's names and q/k row order come from gguf_export's
-`tensor_naming`, so B's rows (for Llama) follow the permuted rows of the base weight they adapt.
+F32, where llama.cpp adds (alpha / r) * B @ A x. The base's names and q/k row order come from gguf_arch's
+`tensor_naming`, so B's rows (for the Llama layout: Llama, Mistral) follow the permuted rows of the base weight
+they adapt; Phi-3's fused qkv_proj / gate_up_proj are adapted as the single matrices llama.cpp stores.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gguf_export import _gguf, gguf_architecture, tensor_naming
+from .gguf_arch import _gguf, gguf_architecture, tensor_naming
 
 ADAPTER_FILE = "adapter.gguf"
 
@@ -38,16 +39,18 @@ def _adapted_linears(peft_model):
 
 @torch.no_grad()
 def save_gguf_lora(peft_model, out_dir: str | Path, name: str = "recovery-lora") -> dict:
-    """Write `out_dir/adapter.gguf` for a Llama, Qwen2 or Qwen3 PEFT LoRA model; atomic (temporary name, then rename).
+    """Write `out_dir/adapter.gguf` for a PEFT LoRA model of a GGUF_ARCHITECTURES family; atomic (temporary name,
+    then rename).
 
     Returns:
         {"file", "bytes", "alpha", "rank", "tensors"}.
     Raises:
-        ValueError: an architecture the GGUF base cannot have, no adapted linear, or layers with different alpha / r (llama.cpp stores one).
+        ValueError: an architecture the GGUF base cannot have, no adapted linear, or layers with different
+            alpha / r (llama.cpp stores one).
     """
     gguf = _gguf()
     config = peft_model.get_base_model().config
-    arch, _ = gguf_architecture(config)
+    arch = gguf_architecture(config).arch
     gguf_name, permuted = tensor_naming(config)
     layers = list(_adapted_linears(peft_model))
     if not layers:

@@ -5,7 +5,7 @@ on tensor values. Masked positions are multiplied by zero, so they contribute ex
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +30,9 @@ class KDLossConfig:
 
     temperature: float = 1.0
     alpha: float = 1.0
+    # The student's final-logit soft-cap c (Gemma 2: logits = c * tanh(logits / c)), which the chunked lm_head must
+    # apply itself; forward_loss sets it from the model's config (models.logit_softcap). None: plain logits.
+    logit_softcap: float | None = None
     # Baseline only (the Anemll form): both sides renormalised over the K ids, the tail dropped. Biased: the
     # student learns an over-confident head (Anshumann et al., 2025); kept to measure what the tail is worth.
     renormalize_topk: bool = False
@@ -39,6 +42,11 @@ class KDLossConfig:
             raise ValueError(f"--temperature {self.temperature}: must be > 0")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"--alpha {self.alpha}: must be in [0, 1] (1 = pure KD, 0 = plain cross-entropy)")
+
+
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """c * tanh(logits / c), as transformers' Gemma 2 applies after lm_head; the logits unchanged for None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def student_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -97,19 +105,46 @@ def _topk_soft_ce(s_full: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: t
         # K = V (a static shape, no branch on values): the tail is empty on both sides, so the buckets are the K
         # tokens. Rounding leaves the K probabilities summing to 1 +- 1e-7, and tempering inflates that fake tail
         # mass (1e-7 ** (1 / T)) against the student's finite tail fill: a visible loss gap at T > 1.
-        log_q, s = _at_least_fp32(topk_logprobs), s_k
-    else:
-        log_q = torch.cat([_at_least_fp32(topk_logprobs), q_tail.clamp(min=1e-30).log().unsqueeze(-1)], dim=-1)
-        s = torch.cat([s_k, s_tail.unsqueeze(-1)], dim=-1)
-    if temperature == 1.0:
-        q = torch.cat([q_k, q_tail.unsqueeze(-1)], dim=-1)[..., :s.shape[-1]]  # q_tail exact (not exp(log))
-        scale = 1.0
-    else:
+        return _bucket_soft_ce(_at_least_fp32(topk_logprobs), q_k, s_k, temperature)
+    log_q = torch.cat([_at_least_fp32(topk_logprobs), q_tail.clamp(min=1e-30).log().unsqueeze(-1)], dim=-1)
+    q = torch.cat([q_k, q_tail.unsqueeze(-1)], dim=-1)  # q_tail exact (not exp(log))
+    return _bucket_soft_ce(log_q, q, torch.cat([s_k, s_tail.unsqueeze(-1)], dim=-1), temperature)
+
+
+def _bucket_soft_ce(log_q: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft CE and KL of teacher buckets against the student's over the same buckets (last dim).
+
+    Args:
+        log_q, q: [..., n] teacher log-probabilities and probabilities (q is used as is at T = 1);
+        s: [..., n] student log-probabilities; temperature: T tempers both sides and scales by T^2.
+    """
+    scale = 1.0
+    if temperature != 1.0:
         q, s = _temper(log_q, temperature).exp(), _temper(s, temperature)
         scale = temperature**2
     soft_ce = -(q * s).sum(-1) * scale
     entropy = -(q * q.clamp(min=1e-30).log()).sum(-1) * scale
     return soft_ce, soft_ce - entropy
+
+
+def full_soft_ce(logits: torch.Tensor, teacher_logits: torch.Tensor,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft CE and KL against the teacher's whole distribution: the K = V top-K loss without the gather (every
+    token is its own bucket), for targets computed on the fly (`--online-teacher`).
+
+    Args:
+        logits: [..., V] student logits; teacher_logits: [..., V] raw teacher logits (same vocabulary).
+    Returns:
+        soft_ce, kl: [...] (times T^2 when tempered, as the cached path).
+    """
+    return _full_soft_ce(student_logprobs(logits), teacher_logits, temperature)
+
+
+def _full_soft_ce(s_full: torch.Tensor, teacher_logits: torch.Tensor,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    log_q = torch.log_softmax(_at_least_fp32(teacher_logits), dim=-1)
+    return _bucket_soft_ce(log_q, log_q.exp(), s_full, temperature)
 
 
 def sampled_soft_ce(logits: torch.Tensor, sample_ids: torch.Tensor,
@@ -154,12 +189,23 @@ def _nll(s_full: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -torch.gather(s_full, -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: KDLossConfig) -> torch.Tensor:
+def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: KDLossConfig,
+                   teacher_head: tuple | None = None) -> torch.Tensor:
     """Masked sums over N positions: [soft_ce, kl, top1, ce]. logits [N, V]; targets hold per-position
-    `topk_ids` [N, K], `topk_logprobs` [N, K] (optional), `labels` [N], `kd_mask` [N], `label_mask` [N]."""
+    `labels` [N], `kd_mask` [N], `label_mask` [N] and one kind of teacher target (or none): `topk_ids` +
+    `topk_logprobs` [N, K], `sample_ids` + `sample_weights` [N, S], `teacher_logits` [N, V], or
+    `teacher_hidden` [N, H] whose logits `teacher_head` (weight [V, H], bias [V] or None, soft-cap or None)
+    computes here, for these N positions only."""
     s_full = student_logprobs(logits)  # once per chunk: the one full-vocabulary normalisation
     ce = _nll(s_full, targets["labels"]) * targets["label_mask"]
-    if "topk_ids" in targets:
+    if "teacher_hidden" in targets:  # an online teacher, chunked: only this chunk's teacher logits ever exist
+        weight, bias, cap = teacher_head
+        teacher_logits = softcap_logits(torch.nn.functional.linear(targets["teacher_hidden"], weight, bias), cap)
+        targets = {**targets, "teacher_logits": teacher_logits}
+    if "teacher_logits" in targets:
+        soft_ce, kl = _full_soft_ce(s_full, targets["teacher_logits"], cfg.temperature)
+        teacher_top1 = targets["teacher_logits"].argmax(-1)
+    elif "topk_ids" in targets:
         soft_ce, kl = _topk_soft_ce(s_full, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature,
                                     cfg.renormalize_topk)
         teacher_top1 = targets["topk_ids"][:, 0]
@@ -178,13 +224,17 @@ def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: 
                         ce.sum().to(soft_ce.dtype)])
 
 
+# Teacher targets a batch may hold: a cache's (top-K or sampled) or an online teacher's (`teacher_targets`).
+TARGET_KEYS = ("topk_ids", "topk_logprobs", "sample_ids", "sample_weights", "teacher_logits", "teacher_hidden")
+
+
 def _flat_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-position targets of a [B, L] batch, flattened to [B*L, ...]."""
     labels, label_mask = next_token_labels(batch["input_ids"], batch["attention_mask"])
     # Ids may arrive as int32 (device.device_batches); gather and scatter index with int64.
     targets = {"labels": labels.reshape(-1).long(), "label_mask": label_mask.reshape(-1),
                "kd_mask": batch["attention_mask"].reshape(-1).float()}
-    for key in ("topk_ids", "topk_logprobs", "sample_ids", "sample_weights"):
+    for key in TARGET_KEYS:
         if key in batch:
             flat = batch[key].reshape(-1, batch[key].shape[-1])
             targets[key] = flat.long() if key.endswith("_ids") else flat
@@ -208,7 +258,8 @@ def kd_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], cfg: KDLossCon
         logits: [B, L, V] student logits.
         batch: `input_ids` [B, L], `attention_mask` [B, L] (1 = real token), and the teacher targets:
             `topk_ids` [B, L, K] + `topk_logprobs` [B, L, K] (log-softmax over the full vocabulary), or
-            `sample_ids` [B, L, S] + `sample_weights` [B, L, S] (RS-KD counts / N); none for perplexity only.
+            `sample_ids` [B, L, S] + `sample_weights` [B, L, S] (RS-KD counts / N), or `teacher_logits`
+            [B, L, V] (an online teacher's whole distribution); none for perplexity only.
         cfg: temperature and alpha.
     Returns:
         dict of 0-d tensors: `loss` = alpha * soft_ce + (1 - alpha) * ce (each averaged over its valid
@@ -239,7 +290,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, loss_weights, cfg, chunk_size, names, *targets):
+    def forward(ctx, hidden, weight, bias, loss_weights, cfg, chunk_size, names, teacher_head, *targets):
         needs = ctx.needs_input_grad[:3]
         grads: list = [[] if needs[0] else None, torch.zeros_like(weight) if needs[1] else None,
                        torch.zeros_like(bias) if needs[2] else None]
@@ -248,8 +299,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             inputs = [t.detach().requires_grad_(need) if t is not None else None
                       for t, need in zip((hidden[start:start + chunk_size], weight, bias), needs)]
             with torch.enable_grad():
-                chunk = _position_sums(torch.nn.functional.linear(*inputs),
-                                       {n: t[start:start + chunk_size] for n, t in zip(names, targets)}, cfg)
+                chunk = _position_sums(softcap_logits(torch.nn.functional.linear(*inputs), cfg.logit_softcap),
+                                       {n: t[start:start + chunk_size] for n, t in zip(names, targets)}, cfg,
+                                       teacher_head)
                 wanted = [t for t, need in zip(inputs, needs) if need]
                 got = iter(torch.autograd.grad((chunk * loss_weights).sum(), wanted) if wanted else ())
             if needs[0]:
@@ -269,31 +321,36 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_sums):
         grads = [g * grad_loss.to(g.dtype) if need else None for g, need in zip(ctx.saved_tensors, ctx.needs)]
-        return (*grads, None, None, None, None, *([None] * ctx.num_targets))
+        return (*grads, None, None, None, None, None, *([None] * ctx.num_targets))
 
 
 def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str, torch.Tensor], cfg: KDLossConfig,
-                    chunk_size: int = 1024, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                    chunk_size: int = 1024, bias: torch.Tensor | None = None,
+                    teacher_head: tuple | None = None) -> dict[str, torch.Tensor]:
     """kd_loss computed from the final hidden states and the lm_head weight, `chunk_size` positions at a time.
 
     Peak memory is set by chunk_size x V, not B x L x V: each chunk's gradient is taken as soon as its logits
-    exist (`_ChunkedHeadLoss`). Equal in value to kd_loss(hidden @ weight.T + bias, ...) and, for `loss`, in
-    gradient; the other parts are returned without a gradient (they are for logging and evaluation).
+    exist (`_ChunkedHeadLoss`). Equal in value to kd_loss(hidden @ weight.T + bias, ...) (soft-capped first when
+    cfg.logit_softcap is set) and, for `loss`, in gradient; the other parts are returned without a gradient (they
+    are for logging and evaluation).
 
     Args:
         hidden: [B, L, H] final (normed) hidden states; weight: [V, H]; bias: [V] or None.
         chunk_size: positions per chunk (all chunks but the last have this size; shapes are fixed per run).
+        teacher_head: (weight [V, Ht], bias or None, soft-cap or None) of an online teacher whose final hidden
+            states the batch holds as `teacher_hidden` [B, L, Ht]: its logits are computed chunk by chunk too.
     """
     targets = _flat_targets(batch)
     flat = hidden.reshape(-1, hidden.shape[-1])
     names = list(targets)
     loss_weights = _loss_weights(targets, cfg, torch.promote_types(flat.dtype, torch.float32))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias)):
-        loss, sums = _ChunkedHeadLoss.apply(flat, weight, bias, loss_weights, cfg, chunk_size, names,
+        loss, sums = _ChunkedHeadLoss.apply(flat, weight, bias, loss_weights, cfg, chunk_size, names, teacher_head,
                                             *targets.values())
     else:  # evaluation: no gradient to take
-        sums = sum(_position_sums(torch.nn.functional.linear(flat[i:i + chunk_size], weight, bias),
-                                  {n: t[i:i + chunk_size] for n, t in targets.items()}, cfg)
+        sums = sum(_position_sums(softcap_logits(torch.nn.functional.linear(flat[i:i + chunk_size], weight, bias),
+                                                 cfg.logit_softcap),
+                                  {n: t[i:i + chunk_size] for n, t in targets.items()}, cfg, teacher_head)
                    for i in range(0, flat.shape[0], chunk_size))
         loss = (sums * loss_weights).sum()
     out = _finish(sums, targets, cfg)
@@ -301,16 +358,40 @@ def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str,
     return out
 
 
+@torch.no_grad()
+def teacher_targets(teacher: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    chunk_size: int) -> tuple[dict[str, torch.Tensor], tuple | None]:
+    """An online teacher's targets for a batch's tokens, without a gradient (it is frozen).
+
+    Returns:
+        ({"teacher_logits": [B, L, V]}, None) for chunk_size <= 0, else ({"teacher_hidden": [B, L, Ht]},
+        (lm_head weight [V, Ht], bias or None, its final-logit soft-cap or None)): the decoder runs once, its
+        lm_head (and soft-cap) inside the loss's chunk loop.
+    """
+    if chunk_size <= 0:
+        return {"teacher_logits": teacher(input_ids=batch["input_ids"]).logits}, None
+    decoder, head = models.decoder_and_head(teacher, apply_softcap=True)  # applied in `_position_sums`
+    return ({"teacher_hidden": decoder(input_ids=batch["input_ids"]).last_hidden_state},
+            (*models.head_weight_and_bias(head), models.logit_softcap(teacher.config)))
+
+
 def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KDLossConfig,
-                 chunk_size: int) -> dict[str, torch.Tensor]:
+                 chunk_size: int, teacher: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
     """Student forward + KD loss: the one path from a batch to the loss, for training and evaluation.
 
     With chunk_size > 0 the decoder runs alone and lm_head + loss run in chunks of positions
-    (`kd_loss_chunked`), never holding B x L x V logits; 0 computes the full logits (`kd_loss`).
+    (`kd_loss_chunked`), never holding B x L x V logits; 0 computes the full logits (`kd_loss`). With a
+    `teacher` (frozen, same vocabulary), its whole distribution on the batch's tokens is the target (the K = V
+    loss) and any cached targets in the batch are ignored.
     """
+    teacher_head = None
+    if teacher is not None:
+        extra, teacher_head = teacher_targets(teacher, batch, chunk_size)
+        batch = {**{k: v for k, v in batch.items() if k not in TARGET_KEYS}, **extra}
     if chunk_size <= 0:
         return kd_loss(model(input_ids=batch["input_ids"]).logits, batch, cfg)
-    decoder, head = models.decoder_and_head(model)
+    decoder, head = models.decoder_and_head(model, apply_softcap=True)
     hidden = decoder(input_ids=batch["input_ids"]).last_hidden_state
     weight, bias = models.head_weight_and_bias(head)
-    return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias)
+    cfg = replace(cfg, logit_softcap=models.logit_softcap(model.config))
+    return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias, teacher_head)

@@ -58,7 +58,7 @@ def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int 
     stream = data.token_stream(data.list_text_files(text, "--text"), tokenizer, max_tokens, decoding=decoding)
     if len(stream) < 2:
         raise ValueError(f"--text {' '.join(text)}: no text found")
-    input_ids, mask = data.pack(stream, seq_len)
+    input_ids, mask = data.pack(stream, seq_len, prefix=models.sequence_prefix(tokenizer))
 
     def batches():
         for start in range(0, len(input_ids), batch_size):

@@ -15,9 +15,66 @@ from . import device as dev
 from .files import first_line, sha256_file
 
 
+# The model families the toolkit is tested on (tests/test_families.py: cache, GPTQ and block-wise init, training,
+# eval, generation and every export format), by transformers model_type. What differs between them and matters
+# here is read from the config where it is used: a final-logit soft-cap (`logit_softcap`), tied embeddings
+# (the model's own get_output_embeddings), sliding-window or hybrid layers (each layer's own kwargs,
+# blocks.capture_block_inputs), fused linears (Phi-3's qkv_proj / gate_up_proj: quantised and adapted whole).
+FAMILIES = {"llama": ("llama",), "qwen2": ("qwen2",), "qwen3": ("qwen3",), "gemma3": ("gemma3_text",),
+            "mistral": ("mistral",), "phi3": ("phi3",)}
+
+
+def family_of(name_or_path: str | Path) -> str | None:
+    """The tested family (a FAMILIES key) of a model folder, from its config.json; None for another model type,
+    a .gguf file or a hub name."""
+    config = read_model_config(name_or_path) or {}
+    return next((family for family, types in FAMILIES.items() if config.get("model_type") in types), None)
+
+
+def logit_softcap(config) -> float | None:
+    """The final-logit soft-cap c of a transformers config (Gemma 2: logits = c * tanh(logits / c)), or None
+    (Gemma 3, Llama, Qwen, Mistral, Phi-3)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def sequence_prefix(tokenizer) -> list[int]:
+    """The token(s) every sequence must open with: [BOS] for tokenizers that put it before any text themselves
+    (Gemma, Llama 3, Mistral: their models are trained only on sequences that start with it, and Gemma 3 270M's
+    Wikipedia perplexity is 33.5 without it against 11.4 with it), else [] (SmolLM2, Qwen)."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a")["input_ids"] if bos is not None else []
+    return [bos] if ids and ids[0] == bos else []
+
+
 def _looks_like_path(name: str) -> bool:
     # Hub names are "name" or "org/name"; anything else path-shaped is a path that must exist.
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(".gguf")
+
+
+def fetched_teacher(name: str) -> Path | None:
+    """The folder of a `qat-lora fetch-assets` teacher named as such (smollm2-135m, gemma3-270m: every command's
+    --model / --teacher takes the name), in the default asset folder; None for any other name.
+
+    Raises:
+        ValueError: the name of a teacher not fetched yet, with the command that fetches it.
+    """
+    from .teachers import TEACHERS
+
+    if name not in TEACHERS:
+        return None
+    from .assets import Assets, assets_ready, default_assets_dir
+
+    if not assets_ready(default_assets_dir(), name):
+        raise ValueError(f"model {name}: a fetch-assets teacher, not fetched yet into {default_assets_dir()}; run "
+                         f"`qat-lora fetch-assets --teacher {name}` (or pass a model folder)")
+    return Assets.at(default_assets_dir(), name).teacher_dir
+
+
+def _path(name_or_path: str | Path) -> Path:
+    """Where a model named by the user lies: the path itself, or a fetched teacher's folder for its name."""
+    path = Path(name_or_path).expanduser()
+    return path if path.exists() else fetched_teacher(str(name_or_path)) or path
 
 
 def _location(name_or_path: str | Path) -> tuple[str, dict]:
@@ -27,11 +84,11 @@ def _location(name_or_path: str | Path) -> tuple[str, dict]:
         ValueError: a path that is not a model, or whose config.json is damaged (read_model_config).
     """
     name = str(name_or_path)
-    path = Path(name).expanduser()
+    path = _path(name)
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), {"gguf_file": path.name}
     if path.is_dir():
-        read_model_config(name)  # a damaged config.json is named here, not in a message from deep inside transformers
+        read_model_config(path)  # a damaged config.json is named here, not in a message from deep inside transformers
         return str(path), {}
     if path.is_file():
         raise ValueError(f"model {name}: a file, not a model; pass a transformers model folder or a .gguf file")
@@ -51,7 +108,7 @@ def read_model_config(name_or_path: str | Path) -> dict | None:
         ValueError: no config.json, or one that is not a JSON object with a model_type, naming the file.
     """
     name = str(name_or_path)
-    path = Path(name).expanduser()
+    path = _path(name)
     if not path.is_dir():
         return None
     file = path / "config.json"
@@ -74,7 +131,7 @@ def check_model(name_or_path: str | Path) -> None:
 
 def _damaged_json(name_or_path: str | Path) -> Path | None:
     """The first .json file of a model folder that does not parse (a cut-short copy), if any."""
-    path = Path(name_or_path).expanduser()
+    path = _path(name_or_path)
     for file in sorted(path.glob("*.json")) if path.is_dir() else []:
         try:
             json.loads(file.read_text(encoding="utf-8"))
@@ -154,16 +211,18 @@ def model_fingerprint(model: nn.Module, name_or_path: str | Path) -> dict:
             "config_sha256": config_hash, "weights_sha256": weights.hexdigest()}
 
 
-def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def decoder_and_head(model: nn.Module, apply_softcap: bool = False) -> tuple[nn.Module, nn.Module]:
     """(the decoder stack returning final normed hidden states, the output projection) of a causal LM,
-    PEFT-wrapped or not, so the loss can run lm_head itself, chunk by chunk.
+    PEFT-wrapped or not, so the loss can run lm_head itself, chunk by chunk (`apply_softcap`: the caller applies
+    `logit_softcap` after the projection, as the student's chunked loss does).
 
     Raises:
-        ValueError: models whose logits are not a plain projection of the hidden states (soft-capping, scaling).
+        ValueError: models whose logits are not a plain projection of the hidden states (a soft-cap the caller
+            does not apply, scaling).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
+    if (logit_softcap(config) and not apply_softcap) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
         raise ValueError(f"{config.model_type}: logits are soft-capped or scaled; use --loss-chunk-size 0")
     return base.get_decoder(), base.get_output_embeddings()
 
@@ -190,7 +249,7 @@ def weights_signature(name_or_path: str | Path) -> str | None:
     from safetensors import SafetensorError
 
     try:
-        return _weights_signature(Path(name_or_path).expanduser())
+        return _weights_signature(_path(name_or_path))
     except (SafetensorError, OSError):
         return None
 

