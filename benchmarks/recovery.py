@@ -15,6 +15,10 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
     lora-topk-renorm       recovery LoRA on top-K targets renormalised over the K (tail dropped; the baseline)
     lora-topk-tail         recovery LoRA on top-K + tail targets (the default; the only one swept over --ranks)
     lora-sampled           recovery LoRA on sampled (RS-KD) targets at about the top-K cache's bytes per token
+                           (or --sampled-n draws)
+    lora-topk-wide         recovery LoRA on top-K + tail targets of a wider cache (--wide-top-k, default 128)
+    lora-online            recovery LoRA on the teacher's whole distribution, computed in each step
+                           (`train --online-teacher`; no target bytes: the top-K cache gives only the tokens)
     lora-topk-tail-ce      recovery LoRA on half top-K + tail KD, half next-token CE on the text (alpha = 0.5): on
                            teacher-written text the next token is a teacher sample, so the CE term is a one-sample
                            estimate of the KL over the whole vocabulary, tail included
@@ -68,6 +72,7 @@ import torch
 
 from qat_lora import data, device as dev, models
 from qat_lora.assets import Assets, default_assets_dir
+from qat_lora.teachers import TEACHERS
 from qat_lora.cache import MANIFEST, KDCache, inspect_cache
 from qat_lora.cache_build import build_cache
 from qat_lora.config import QuantizeConfig, StudentSpec, TrainConfig
@@ -89,12 +94,17 @@ DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq", "ptq-blockwise": "blockwise"
 # TrainConfig fields each trained method sets on top of the shared ones; the `+lora` methods chain their first
 # stage (qat, weight-qat) and lora-topk-tail over its quantiser state.
 TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {}, "lora-sampled": {},
+           "lora-topk-wide": {}, "lora-online": {},
            "lora-topk-tail-ce": {"alpha": 0.5}, "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {},
            "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}}
 CHAINS = {"qat+lora": "qat", "weight-qat+lora": "weight-qat"}  # chained method -> its first stage
+# The cache each method trains on (default: the top-K cache); every cache holds the same token sequences, so the
+# rows differ only in their targets. lora-online reads the top-K cache's tokens and ignores its targets.
+TRAIN_CACHE = {"lora-sampled": "sampled", "lora-topk-wide": "wide"}
 METHODS = ("teacher", *PTQ_INITS, *DATA_INITS, *TRAINED)
 STARTS = ("preset", *DATA_INITS.values())
 HOLDOUT_FRACTION = 0.05  # documents of the training prose held out for the KD metrics (as the demo)
+TOKEN_BYTES = 5  # a cached token without targets: its int32 id and its mask byte (docs/cache-format.md)
 SAMPLED_TOLERANCE = 0.15  # |sampled / top-K bytes per token - 1| above this is reported as unmatched
 
 
@@ -113,9 +123,13 @@ class Row:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--teacher", default=str(ASSETS.teacher_dir), help="full-precision transformers model folder")
+    p.add_argument("--teacher", default=str(ASSETS.teacher_dir),
+                   help=f"full-precision transformers model folder, or a fetch-assets teacher ({', '.join(TEACHERS)})")
     p.add_argument("--train-text", nargs="+", default=[str(ASSETS.train_text_dir)], help="training prose (files, folders)")
     p.add_argument("--eval-text", default=str(ASSETS.eval_text), help="held-out text for perplexity (never trained on)")
+    p.add_argument("--news-text", default=str(ASSETS.eval_text_news),
+                   help="a second held-out domain for perplexity (the Lee news articles; never trained or tuned on; "
+                        "'' to skip): every row's ppl_news, so a recipe that fits only one domain shows")
     p.add_argument("--work", default="runs/recovery", help="folder for the caches and the training runs")
     p.add_argument("--json", default="docs/results/recovery.json", help="results; the .md table and .png plots go beside")
     p.add_argument("--budget-name", default="cpu-small", help="label stored in every record (part of its key)")
@@ -142,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ptq-blockwise: learning rate of scales and zeros")
     p.add_argument("--top-k", type=int, default=32, help="top-K cache: teacher log-probs kept per position")
     p.add_argument("--value-bits", type=int, default=16, choices=(32, 16, 8), help="top-K cache: bits per log-prob")
+    p.add_argument("--wide-top-k", type=int, default=128, help="lora-topk-wide: K of its wider top-K cache")
     p.add_argument("--sampled-n", type=int, default=0,
                    help="sampled cache: draws per position; 0 = the N whose bytes per token match the top-K cache's")
     p.add_argument("--cache-tokens", type=int, default=45_000, help="teacher tokens per cache (train + held-out)")
@@ -158,6 +173,8 @@ def validate(args: argparse.Namespace) -> None:
     Raises:
         ValueError: one line naming the bad value and the fix.
     """
+    if not Path(args.teacher).exists():  # a fetch-assets name: that teacher's folder in the default asset folder
+        args.teacher = str(models.fetched_teacher(args.teacher) or args.teacher)
     if not Path(args.teacher).is_dir():
         raise ValueError(f"--teacher {args.teacher}: no such folder; run `qat-lora fetch-assets` or pass a "
                          "transformers model folder")
@@ -172,6 +189,11 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(str(e).replace("--data", "--train-text", 1)) from None
     if any(f.resolve() in train_files for f in data.list_text_files([args.eval_text])):
         raise ValueError(f"--eval-text {args.eval_text}: also in --train-text; the eval text must stay held out")
+    if args.news_text and not Path(args.news_text).exists():
+        raise ValueError(f"--news-text {args.news_text}: not found; run `qat-lora fetch-assets` (it adds the news "
+                         "text to an existing folder) or pass --news-text ''")
+    if args.news_text and any(f.resolve() in train_files for f in data.list_text_files([args.news_text])):
+        raise ValueError(f"--news-text {args.news_text}: also in --train-text; the eval text must stay held out")
     config = Path(args.teacher) / "config.json"
     limit = json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
     for flag, value in (("--eval-seq-len", args.eval_seq_len), ("--seq-len", args.seq_len)):
@@ -181,6 +203,8 @@ def validate(args: argparse.Namespace) -> None:
                  "blockwise_lr", "blockwise_quant_lr"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
+    if args.wide_top_k <= 0:
+        raise ValueError(f"--wide-top-k {args.wide_top_k}: must be positive")
     if min(args.ranks) <= 0 or not 0 <= args.sampled_n <= 255:
         raise ValueError("--ranks must be positive and --sampled-n in [0, 255] (0 = matched to the top-K cache)")
 
@@ -217,14 +241,15 @@ def plan_rows(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def cache_config(args: argparse.Namespace, encoding: str, num_samples: int = 0) -> CacheBuildConfig:
-    """One cache of each encoding, shared by every preset; the folder name says what it holds, so changed
-    flags build a new cache instead of mixing."""
-    what = f"topk-k{args.top_k}-v{args.value_bits}" if encoding == "topk" else f"sampled-n{num_samples}"
+def cache_config(args: argparse.Namespace, encoding: str, num_samples: int = 0, top_k: int = 0) -> CacheBuildConfig:
+    """One cache of each encoding (and top-K width: `top_k`, default --top-k), shared by every preset; the folder
+    name says what it holds, so changed flags build a new cache instead of mixing."""
+    top_k = top_k or args.top_k
+    what = f"topk-k{top_k}-v{args.value_bits}" if encoding == "topk" else f"sampled-n{num_samples}"
     name = f"{what}-L{args.seq_len}-t{args.cache_tokens}-{_digest([args.teacher, args.train_text])}"
     out = Path(args.work) / "caches" / name
     return CacheBuildConfig(teacher=args.teacher, data=list(args.train_text), out=str(out),
-                            seq_len=args.seq_len, encoding=encoding, top_k=args.top_k, value_bits=args.value_bits,
+                            seq_len=args.seq_len, encoding=encoding, top_k=top_k, value_bits=args.value_bits,
                             num_samples=num_samples or 50, max_tokens=args.cache_tokens, batch_size=args.batch_size,
                             holdout_fraction=HOLDOUT_FRACTION, device=args.device, resume=True)
 
@@ -265,9 +290,12 @@ def matched_sampled_n(args: argparse.Namespace) -> int:
 
 
 def prepare_caches(args: argparse.Namespace, rows: list[Row]) -> dict[str, dict]:
-    """The top-K cache (always: its held-out split gives every row's KD metrics) and, if a row trains on it,
-    the sampled cache, with N matched once (remembered under --work) unless --sampled-n is given."""
+    """The top-K cache (always: its held-out split gives every row's KD metrics) and, if a row trains on them,
+    the wider top-K cache (--wide-top-k) and the sampled cache, with N matched once (remembered under --work)
+    unless --sampled-n is given."""
     caches = {"topk": ensure_cache(cache_config(args, "topk"))}
+    if any(r.method == "lora-topk-wide" for r in rows):
+        caches["wide"] = ensure_cache(cache_config(args, "topk", top_k=args.wide_top_k))
     if not any(r.method == "lora-sampled" for r in rows):
         return caches
     n = args.sampled_n
@@ -354,13 +382,15 @@ def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) ->
         return [first, {**stage_fields(args, lora, caches)[0],
                         "quantizer": str(Path(run_dir(args, head, first)) / "quantizer.safetensors")}]
     r = row.lora_r or args.main_rank  # qat trains no adapter; the field is then unused
-    fields = dict(model=args.teacher, cache=caches["sampled" if row.method == "lora-sampled" else "topk"]["path"],
+    fields = dict(model=args.teacher, cache=caches[TRAIN_CACHE.get(row.method, "topk")]["path"],
                   quant=row.preset, max_steps=args.max_steps, batch_size=args.batch_size,
                   lr=args.qat_lr if row.method in ("qat", "weight-qat") else args.lr,
                   warmup_steps=max(1, args.max_steps // 20), lora_r=r, lora_alpha=2.0 * r, seed=args.seed,
                   quantizer=init_quantizer(args, row.preset, caches))
     if row.method == "weight-qat":
         fields["weight_lr_ratio"] = args.weight_lr / args.qat_lr
+    if row.method == "lora-online":
+        fields["online_teacher"] = args.teacher
     return [{**fields, **TRAINED[row.method]}]
 
 
@@ -383,14 +413,22 @@ def row_key(args: argparse.Namespace, row: Row, caches: dict[str, dict]) -> str:
 
 
 def evaluate_model(model, args: argparse.Namespace, caches: dict[str, dict], device: torch.device) -> dict:
-    """Held-out perplexity on the eval text and KD metrics on the top-K cache's held-out split."""
+    """Held-out perplexity on the eval text (and the news text), KD metrics on the top-K cache's held-out split."""
     started = time.perf_counter()
     model = model.to(device).eval()
     tokenizer = models.load_tokenizer(args.teacher)
-    ppl = perplexity(model, tokenizer, [args.eval_text], args.eval_seq_len, args.eval_tokens or None,
-                     args.batch_size, device)
+
+    def ppl_of(text: str) -> dict:
+        return perplexity(model, tokenizer, [text], args.eval_seq_len, args.eval_tokens or None, args.batch_size,
+                          device)
+
+    ppl = ppl_of(args.eval_text)
+    news = ppl_of(args.news_text) if args.news_text else None
     kd = kd_metrics(model, KDCache(caches["topk"]["path"]), args.batch_size, device)
+    # The news figures are not part of the row's key: rows recorded before them stay valid (without them).
     return {"ppl": ppl["ppl"], "nll": ppl["nll"], "eval_tokens": ppl["tokens"],
+            **({"news_text": Path(args.news_text).name, "ppl_news": news["ppl"], "nll_news": news["nll"],
+                "news_tokens": news["tokens"]} if news else {}),
             **{k: kd[k] for k in ("kd_kl", "kd_top1", "kd_soft_ce", "kd_ce", "kd_tokens")},
             "eval_s": round(time.perf_counter() - started, 2)}
 
@@ -449,14 +487,17 @@ def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], dev
     quantizer = stages[-1]["quantizer"] or ""  # the last stage's starting or trained quantiser
     model = load_student(StudentSpec(args.teacher, row.preset, quantizer), stages[-1]["adapter"] or "",
                          resolve_attn("auto", device))
-    cache = caches["sampled" if row.method == "lora-sampled" else "topk"]
+    cache = caches[TRAIN_CACHE.get(row.method, "topk")]
     init = args.start if args.start != "preset" else get_preset(row.preset).init
+    online = row.method == "lora-online"
     return {"init": init, "tokens": sum(s["tokens"] for s in stages),
             "steps": sum(s["steps"] for s in stages), "wall_s": round(sum(s["wall_s"] for s in stages), 2),
             "run_dir": stages[-1]["run_dir"], "stages": stages, "cache": cache["path"],
-            "cache_encoding": cache["encoding"], "cache_bytes_per_token": cache["bytes_per_token"],
+            # online: the cache's tokens only (int32 id + mask byte), its targets unread
+            "cache_encoding": {"name": "online"} if online else cache["encoding"],
+            "cache_bytes_per_token": TOKEN_BYTES if online else cache["bytes_per_token"],
             "topk_cache_bytes_per_token": caches["topk"]["bytes_per_token"],  # what sampled targets are matched to
-            "cache_build_s": cache["build_s"], **evaluate_model(model, args, caches, device)}
+            "cache_build_s": None if online else cache["build_s"], **evaluate_model(model, args, caches, device)}
 
 
 def gap_fields(record: dict, teacher: dict, ptq: dict | None) -> dict:
@@ -467,8 +508,12 @@ def gap_fields(record: dict, teacher: dict, ptq: dict | None) -> dict:
         span = ptq[key] - teacher[key]
         return (ptq[key] - record[key]) / span if span != 0 else None
 
+    news = {}
+    if "ppl_news" in record and "ppl_news" in teacher and (ptq is None or "ppl_news" in ptq):
+        news = {"ppl_ratio_news": record["ppl_news"] / teacher["ppl_news"], "gap_recovered_news":
+                recovered("ppl_news"), "gap_recovered_nats_news": recovered("nll_news")}
     return {"ppl_ratio": record["ppl"] / teacher["ppl"], "nll_gap_nats": record["nll"] - teacher["nll"],
-            "gap_recovered": recovered("ppl"), "gap_recovered_nats": recovered("nll"),
+            "gap_recovered": recovered("ppl"), "gap_recovered_nats": recovered("nll"), **news,
             "teacher_ppl": teacher["ppl"], "teacher_nll": teacher["nll"],
             "start_init": None if ptq is None else ptq["init"], "ptq_ppl": None if ptq is None else ptq["ppl"],
             "ptq_nll": None if ptq is None else ptq["nll"]}
@@ -553,13 +598,16 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 def markdown_table(records: list[dict]) -> str:
     head = ("| budget | preset | method | r | init | ppl | NLL | NLL − teacher (nats) | ppl ÷ teacher | gap recovered "
-            "(ppl) | gap recovered (nats) | KD KL | top-1 | tokens | wall s | device |")
+            "(ppl) | gap recovered (nats) | news ppl | news ppl ÷ teacher | news gap recovered | KD KL | top-1 | tokens | "
+            "wall s | device |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in records:
         lines.append(
             f"| {r['budget']} | {r['preset'] or '–'} | {r['method']} | {r['lora_r'] or '–'} | {r['init'] or '–'} | "
             f"{_fmt(r['ppl'], 'ppl')} | {_fmt(r['nll'])} | {_fmt(r['nll_gap_nats'])} | {_fmt(r['ppl_ratio'], '.2f')} | "
-            f"{_fmt(r['gap_recovered'], '%')} | {_fmt(r['gap_recovered_nats'], '%')} | {_fmt(r['kd_kl'])} | "
+            f"{_fmt(r['gap_recovered'], '%')} | {_fmt(r['gap_recovered_nats'], '%')} | "
+            f"{_fmt(r.get('ppl_news'), 'ppl')} | {_fmt(r.get('ppl_ratio_news'), '.2f')} | "
+            f"{_fmt(r.get('gap_recovered_news'), '%')} | {_fmt(r['kd_kl'])} | "
             f"{_fmt(r['kd_top1'])} | {r['tokens']:,} | {_fmt(r['wall_s'], '.1f')} | {r['device']} |")
     return "\n".join(lines)
 
@@ -727,6 +775,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     done = {r["key"]: r for r in results["records"]}
     for row in rows:
         key = row_key(args, row, caches)
+        # Rows another process sharing --json finished meanwhile (e.g. while this one built its cache).
+        done.update({r["key"]: r for r in load_results(json_path)["records"]})
         if key in done:
             print(f"{row.label}: already in {json_path} (key {key}); skipped")
             continue

@@ -201,7 +201,7 @@ def find_resume_point(run_dir: Path, resume: str, log: Callable[[str], None] = p
 
 
 # What a run's values depend on beyond its flags (train.run_inputs): the flag that names each, for the messages.
-INPUT_FLAGS = {"model": "--model", "cache": "--cache", "quantizer": "--quantizer"}
+INPUT_FLAGS = {"model": "--model", "cache": "--cache", "quantizer": "--quantizer", "teacher": "--online-teacher"}
 
 
 def check_same_inputs(saved: dict | None, current: dict, path: Path, config: dict) -> None:
@@ -215,7 +215,8 @@ def check_same_inputs(saved: dict | None, current: dict, path: Path, config: dic
     for key, flag in INPUT_FLAGS.items():
         before, now = (saved or {}).get(key), current.get(key)
         if before and now and before != now:
-            raise ValueError(f"--resume: {path.name} was trained on {flag} {config.get(key)}, whose contents differ "
+            named = config.get(flag[2:].replace("-", "_"))  # the config field the flag sets
+            raise ValueError(f"--resume: {path.name} was trained on {flag} {named}, whose contents differ "
                              f"from this run's {flag} now (weights, shards or file); restore them, or pass "
                              "--overwrite to start again, or choose a new --out")
 

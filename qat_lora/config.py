@@ -120,6 +120,13 @@ class TrainConfig(StudentSpec):
     alpha: float = field(default=1.0, metadata={"help": "weight of the KD term; 1 - alpha on hard-label CE"})
     renormalize_topk: bool = field(default=False, metadata={"help": "baseline only: renormalise teacher and student "
                                                                      "over the K ids, dropping the tail (biased)"})
+    online_teacher: str = field(default="", metadata={"help": "a teacher run inside each step instead of the cache's "
+                                                              "targets: its whole distribution over the vocabulary is "
+                                                              "the target (--cache then gives the token sequences and "
+                                                              "the held-out split); same tokenizer as --model"})
+    online_teacher_dtype: str = field(default="fp32", metadata={"help": "--online-teacher weights and activations: "
+                                                                        "fp32 or bf16 (half the memory; the loss is "
+                                                                        "fp32 either way)"})
     save_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only on SIGTERM/SIGINT)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest K checkpoints (0 = all)"})
     resume: str = field(default="", metadata={"help": "auto (newest checkpoint in --out, if any) or a "
@@ -198,6 +205,7 @@ class TrainConfig(StudentSpec):
         if not self.quant:
             raise ValueError("--quant is required for training: a quantisation preset (see `qat-lora presets`)")
         self.loss_config()
+        self._check_online_teacher()
         if self.tensorboard and self.report_to not in ("none", "tensorboard"):
             raise ValueError(f"--tensorboard means --report-to tensorboard; drop it or --report-to {self.report_to}")
         self.report_to = "tensorboard" if self.tensorboard else self.report_to
@@ -210,6 +218,20 @@ class TrainConfig(StudentSpec):
                 raise ValueError(f"--report-to {self.report_to}: the {self.report_to} package is not installed; pip "
                                  f"install {self.report_to} (or 'qat-lora[{self.report_to}]')")
         super().__post_init__()
+
+    def _check_online_teacher(self) -> None:
+        if self.online_teacher_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"--online-teacher-dtype {self.online_teacher_dtype!r}: choose "
+                             f"{' or '.join(STORAGE_DTYPES)}")
+        if not self.online_teacher:
+            if self.online_teacher_dtype != "fp32":
+                raise ValueError("--online-teacher-dtype needs --online-teacher (the cache's targets have no dtype "
+                                 "to choose); drop it or pass --online-teacher")
+            return
+        models.check_model(self.online_teacher)  # a typo fails here, not after the student has loaded
+        if self.renormalize_topk:
+            raise ValueError("--renormalize-topk is a top-K baseline; --online-teacher has the whole distribution: "
+                             "drop one of them")
 
     def loss_config(self) -> KDLossConfig:
         return KDLossConfig(self.temperature, self.alpha, self.renormalize_topk)

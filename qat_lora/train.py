@@ -11,6 +11,12 @@ checkpoint, runs (folder layout, metrics log, stop signal), distributed (collect
     qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64 --max-steps 200
     qat-lora train --preset qat+lora ... --save-steps 50 --resume auto     # preemptible: rerun the same line
     qat-lora train --num-chips 2 --device cpu ...                           # gloo ranks (see launch.py)
+    qat-lora train --online-teacher T --cache caches/kd ...                 # targets computed in the step
+
+`--online-teacher T`: a teacher that fits beside the student runs in every micro-step (frozen, no gradient, same
+device); its whole distribution is the target (the K = V loss, no cache bytes). The cache still gives the tokens,
+their order and the held-out split, so a cached run of the same flags sees the same tokens (only the targets
+differ) and resume, sharding and the XLA batch path stay one path; --eval-steps scores the cache's stored targets.
 
 SIGTERM/SIGINT: the current step finishes, a checkpoint is written, and the process exits with 128 + the
 signal number (143, 130): the run is unfinished, and the same command with `--resume auto` continues it.
@@ -33,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from . import checkpoint as ckpt, device as dev, models, runs
-from .cache import KDCache, batches_per_epoch, endless_batches
+from .cache import BASE_KEYS, KDCache, batches_per_epoch, endless_batches
 from .config import TrainConfig, field_defaults
 from .distributed import Backend, init_backend
 from .files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owner_stamp, read_record,
@@ -75,6 +81,7 @@ class _Run:
     finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
     metrics: runs.MetricsLog | None = None  # the master's metrics log
     compiled_by_step_2: int = 0  # XLA graphs compiled by this process's second step
+    teacher: torch.nn.Module | None = None  # --online-teacher, frozen on the device
 
 
 def _batch(cfg: TrainConfig, backend: Backend) -> int:
@@ -82,27 +89,41 @@ def _batch(cfg: TrainConfig, backend: Backend) -> int:
     return cfg.batch_size * backend.data_parallel
 
 
-def _load_student(cfg: TrainConfig, device: torch.device, backend: Backend, cache: KDCache) -> torch.nn.Module:
-    """Rank 0 loads (and converts or downloads) the model first; the others wait, then read its files."""
+def _load_models(cfg: TrainConfig, device: torch.device, backend: Backend,
+                 cache: KDCache) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The student and the --online-teacher (None without one). Rank 0 loads (and converts or downloads) the
+    models first; the others wait, then read their files."""
     if not backend.is_master:
         backend.rendezvous("master-loaded")
     tokenizer = models.load_tokenizer(cfg.model)
-    student = build_student(cfg.student_spec(), resolve_attn(cfg.attn_implementation, device))
+    attn = resolve_attn(cfg.attn_implementation, device)
+    student = build_student(cfg.student_spec(), attn)
+    teacher = models.load_causal_lm(cfg.online_teacher, dtype=torch.bfloat16 if cfg.online_teacher_dtype == "bf16"
+                                    else torch.float32, attn_implementation=attn) if cfg.online_teacher else None
     if backend.is_master:
         backend.rendezvous("master-loaded")
     cache.check_compatible(tokenizer, models.vocab_size(student), models.max_positions(student))
-    return student
+    if teacher is not None:
+        if models.vocab_size(teacher) != models.vocab_size(student):
+            raise ValueError(f"--online-teacher {cfg.online_teacher}: {models.vocab_size(teacher)} logits, the student "
+                             f"has {models.vocab_size(student)}; pass a teacher with the student's vocabulary")
+        teacher = dev.move_model_(teacher.requires_grad_(False).eval(), device)
+    return student, teacher
 
 
 def run_inputs(cfg: TrainConfig) -> dict[str, str | None]:
     """The run's inputs as models.input_identities sees them; a resume on changed ones is refused."""
-    return models.input_identities(cfg.model, cfg.cache, cfg.quantizer)
+    inputs = models.input_identities(cfg.model, cfg.cache, cfg.quantizer)
+    if cfg.online_teacher:  # the targets come from its weights: another teacher is another training
+        inputs["teacher"] = models.weights_signature(cfg.online_teacher)
+    return inputs
 
 
 def _check_out(cfg: TrainConfig) -> None:
     """--out must be a folder apart from every input: checked before the run's lock creates it."""
     require_folder(cfg.out, "the run")
-    check_out_apart_from_inputs(cfg.out, {"--model": cfg.model, "--cache": cfg.cache, "--quantizer": cfg.quantizer})
+    check_out_apart_from_inputs(cfg.out, {"--model": cfg.model, "--cache": cfg.cache, "--quantizer": cfg.quantizer,
+                                          "--online-teacher": cfg.online_teacher})
 
 
 def _check_run_dir(cfg: TrainConfig, inputs: dict, log: Callable[[str], None]) -> Path | None:
@@ -130,7 +151,12 @@ def _check_run_dir(cfg: TrainConfig, inputs: dict, log: Callable[[str], None]) -
 
 
 def _check_cache(cfg: TrainConfig, cache: KDCache, backend: Backend) -> None:
-    """What the cache must hold for these flags, before any model loads."""
+    """What the cache (and an --online-teacher's tokenizer) must hold for these flags, before any model loads:
+    every rank checks, so all fail together."""
+    if cfg.online_teacher and models.tokenizer_hash(models.load_tokenizer(cfg.online_teacher)) != \
+            cache.manifest["tokenizer_sha256"]:  # the student's is compared with the cache's once it loads
+        raise ValueError(f"--online-teacher {cfg.online_teacher}: its tokenizer differs from --model's (and the "
+                         "cache's), so its logits index another vocabulary; pass a teacher with the same tokenizer")
     if batches_per_epoch(cache, _batch(cfg, backend), backend.world_size - 1, backend.world_size) == 0:
         raise ValueError(f"--cache {cfg.cache}: {cache.num_sequences('train')} training sequences, fewer than "
                          f"--batch-size {cfg.batch_size} per device; build a larger cache or lower the batch size")
@@ -145,7 +171,7 @@ def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Bac
     _check_cache(cfg, cache, backend)
     inputs = run_inputs(cfg)
     resume_from = _check_run_dir(cfg, inputs, log)
-    student = _load_student(cfg, device, backend, cache)
+    student, teacher = _load_models(cfg, device, backend, cache)
     if backend.is_master:
         runs.prepare_run_dir(cfg.out, overwrite=cfg.overwrite, resume_auto=cfg.resume == "auto",
                              resuming=resume_from is not None)
@@ -162,7 +188,8 @@ def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Bac
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     tokens_per_step = _batch(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
     run = _Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device,
-               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device), inputs=inputs)
+               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device), inputs=inputs,
+               teacher=teacher)
     if resume_from is not None:
         _restore(run, resume_from)
         log(f"resumed from {resume_from} at step {run.step}")
@@ -177,7 +204,8 @@ def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Bac
                 "world_size": backend.world_size * backend.data_parallel})
     log(f"student {cfg.model} [{cfg.quant}, {cfg.preset}] on {device} ({backend.describe()}): "
         f"{sum(p.numel() for p in params.values()):,} trainable parameters, {cache.num_sequences('train')} "
-        f"training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step")
+        f"training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step"
+        + (f"; targets from --online-teacher {cfg.online_teacher}" if teacher is not None else ""))
     return run
 
 
@@ -305,7 +333,7 @@ def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dt
         for micro in range(cfg.accumulation_steps):
             batch = next(batches)  # already on the device (dev.device_batches)
             with dev.autocast(run.device, amp_dtype):
-                parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size)
+                parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size, teacher=run.teacher)
             (parts["loss"] / cfg.accumulation_steps).backward()
             for key in ("loss", "soft_ce", "kl", "ce"):
                 totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps
@@ -413,6 +441,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
             data = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
                                    start=first_step * cfg.accumulation_steps)
             dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
+            if run.teacher is not None:  # the cache's targets stay on the host: the teacher makes its own
+                data = ({k: batch[k] for k in BASE_KEYS} for batch in data)
+                dims = {k: dims[k] for k in BASE_KEYS}
             with dev.device_batches(data, device, backend.input_sharding(dims)) as batches:
                 _loop(run, batches, log, rerun)
         # Save: the final artefacts, summary and compile report (master only).

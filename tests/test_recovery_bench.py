@@ -18,7 +18,7 @@ REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", 
             "cache_bytes_per_token", "run_dir")
 # Every method but lora-topk-renorm (the same trainer with one more TrainConfig flag), to stay under a minute.
 METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "ptq-blockwise",
-           "lora-topk-tail", "lora-sampled", "lora-topk-tail-ce", "ce-only", "qat",
+           "lora-topk-tail", "lora-sampled", "lora-topk-wide", "lora-online", "lora-topk-tail-ce", "ce-only", "qat",
            "qat+lora", "weight-qat", "weight-qat+lora")
 
 
@@ -41,7 +41,10 @@ def tiny_args(tmp_path_factory, teacher_dir, corpus_dir) -> list[str]:
     root = tmp_path_factory.mktemp("recovery")
     eval_text = root / "eval.txt"
     eval_text.write_text(synthetic_text(40, seed=3))  # not in the training corpus
+    news_text = root / "news.txt"
+    news_text.write_text(synthetic_text(40, seed=4))  # the second held-out domain
     return ["--teacher", str(teacher_dir), "--train-text", str(corpus_dir), "--eval-text", str(eval_text),
+            "--news-text", str(news_text),
             "--work", str(root / "work"), "--json", str(root / "results" / "recovery.json"),
             "--presets", "w4g32", "--methods", *METHODS, "--ranks", "4", "--main-rank", "4",
             "--max-steps", "2", "--batch-size", "4", "--seq-len", "32", "--top-k", "8", "--cache-tokens", "3000",
@@ -95,6 +98,11 @@ def test_gaps_follow_from_the_perplexities(first_run):
         assert r["start_init"] == "rtn" and r["ptq_ppl"] == start["ppl"] and r["teacher_ppl"] == teacher["ppl"]
         assert r["gap_recovered"] == pytest.approx((start["ppl"] - r["ppl"]) / (start["ppl"] - teacher["ppl"]))
         assert r["gap_recovered_nats"] == pytest.approx((start["nll"] - r["nll"]) / (start["nll"] - teacher["nll"]))
+        # The second domain: its own perplexity and gaps, from its own teacher and start rows.
+        assert r["news_text"] == "news.txt" and r["ppl_news"] != r["ppl"] and r["news_tokens"] > 0
+        assert r["ppl_ratio_news"] == pytest.approx(r["ppl_news"] / teacher["ppl_news"])
+        assert r["gap_recovered_news"] == pytest.approx(
+            (start["ppl_news"] - r["ppl_news"]) / (start["ppl_news"] - teacher["ppl_news"]))
         assert r["nll_gap_nats"] == pytest.approx(r["nll"] - teacher["nll"])
         assert r["ppl_ratio"] == pytest.approx(r["ppl"] / teacher["ppl"])
     assert start["gap_recovered"] == 0.0 and by["ptq-init"]["init"] == "mse"
@@ -121,6 +129,12 @@ def test_tokens_and_stages(first_run):
     assert lora_stage["quantizer"] == str(Path(stages[0]["run_dir"]) / "quantizer.safetensors")
     sampled, topk = by["lora-sampled"]["cache_bytes_per_token"], by["lora-topk-tail"]["cache_bytes_per_token"]
     assert sampled > 0 and topk > 0
+    # The same tokens, other targets: a wider top-K cache, and the teacher run in the step (tokens only).
+    wide, online = by["lora-topk-wide"], by["lora-online"]
+    assert wide["cache_encoding"]["top_k"] == 128 and wide["cache_bytes_per_token"] > topk
+    assert online["cache_encoding"] == {"name": "online"} and online["cache_bytes_per_token"] == 5
+    assert json.loads((Path(online["run_dir"]) / "config.json").read_text())["online_teacher"] == \
+        json.loads((Path(lora["run_dir"]) / "config.json").read_text())["model"]
 
 
 def test_start_from_a_data_aware_init(recovery, first_run, tiny_args, tmp_path):
@@ -188,6 +202,7 @@ def test_ppl_series_joins_budgets_of_one_method(recovery):
     ("--presets", "w5g7", "invalid choice: 'w5g7'"),
     ("--teacher", "/nonexistent/teacher", "--teacher /nonexistent/teacher: no such folder"),
     ("--eval-text", "/nonexistent/wiki.txt", "--eval-text /nonexistent/wiki.txt: not found"),
+    ("--news-text", "/nonexistent/news.txt", "--news-text /nonexistent/news.txt: not found"),
     ("--eval-seq-len", "4096", "--eval-seq-len 4096: longer than the teacher's context (128 positions)"),
 ])
 def test_bad_input_is_a_one_line_error(recovery, tiny_args, capsys, flag, value, message):
@@ -199,9 +214,10 @@ def test_bad_input_is_a_one_line_error(recovery, tiny_args, capsys, flag, value,
     assert message in capsys.readouterr().err
 
 
-def test_eval_text_inside_the_training_text_is_refused(recovery, tiny_args, corpus_dir, capsys):
+@pytest.mark.parametrize("flag", ["--eval-text", "--news-text"])
+def test_eval_text_inside_the_training_text_is_refused(recovery, tiny_args, corpus_dir, capsys, flag):
     args = list(tiny_args)
-    args[args.index("--eval-text") + 1] = str(corpus_dir / "b.txt")
+    args[args.index(flag) + 1] = str(corpus_dir / "b.txt")
     with pytest.raises(SystemExit):
         recovery.main(args)
     assert "must stay held out" in capsys.readouterr().err
