@@ -10,7 +10,6 @@ Only the metadata are written (no tensors), so a 270M model takes seconds. Print
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ def main() -> None:
 
     from qat_lora.gguf_arch import add_metadata, gguf_architecture
     from qat_lora.gguf_vocab import add_tokenizer
+    from llama_cpp_check import write_record  # this script's folder is on sys.path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="transformers model folder")
@@ -65,11 +65,7 @@ def main() -> None:
             # llama.cpp merges by score: what matters is the order, not the values
             "score_order_agreement": float(np.mean(np.sign(np.diff(a)) == np.sign(np.diff(b))))}
     record["date"] = time.strftime("%Y-%m-%d")
-    line = json.dumps(record)
-    print(line)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(line + "\n")
+    write_record(record, args.json)
 
 
 if __name__ == "__main__":

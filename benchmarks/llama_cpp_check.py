@@ -250,11 +250,16 @@ def main() -> None:
               "bits_per_weight": report["bits_per_weight"], "adapter_bytes": lora["bytes"] if lora else 0,
               "cpu": platform.machine(), "date": time.strftime("%Y-%m-%d"),
               "wall_s": round(time.perf_counter() - started, 1)}
+    write_record(record, args.json)
+
+
+def write_record(record: dict, json_path: str) -> None:
+    """Print the record as one JSON line and, with a path, write it there too."""
     line = json.dumps(record)
     print(line)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(line + "\n")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(line + "\n")
 
 
 if __name__ == "__main__":
