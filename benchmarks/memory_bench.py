@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_bench, when imported as a module by the tests
-from step_bench import _batch, _peak_bytes, _proc_status_bytes, _reset_peak  # noqa: E402
+from step_bench import _batch, _peak_bytes, _proc_status_bytes, _reset_peak, child_main  # noqa: E402
 
 CONFIGS = {  # from each model's public config.json (hub: Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B, ...)
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -519,9 +519,7 @@ def _write(path: Path, result: dict) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
-        spec = json.loads(args.child)
-        print(json.dumps(CHILDREN[spec["kind"]](spec)))
-        return
+        return child_main(args.child, CHILDREN)
     path = Path(args.json)
     result = json.loads(path.read_text()) if path.exists() else {}
     rows = {r["key"]: r for r in result.get("records", [])}

@@ -499,12 +499,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def child_main(spec_json: str, children: dict) -> None:
+    """One measurement in its own process (peaks must not mix): the spec in, one JSON line out."""
+    spec = json.loads(spec_json)
+    print(json.dumps(children[spec["kind"]](spec)))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
-        spec = json.loads(args.child)
-        print(json.dumps(CHILDREN[spec["kind"]](spec)))
-        return
+        return child_main(args.child, CHILDREN)
     peaks = _peaks(args)
     memory_device = next((d for d in args.devices if d != "xla"), "cpu")  # XLA:CPU: no allocator statistics
     loss = dict(kind="loss", device=memory_device, shape=args.shape, batch_size=args.batch_size, seq_len=args.seq_len)
