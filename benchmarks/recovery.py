@@ -73,7 +73,7 @@ import torch
 from qat_lora import data, device as dev, models
 from qat_lora.assets import Assets, default_assets_dir
 from qat_lora.teachers import TEACHERS
-from qat_lora.cache import MANIFEST, KDCache, inspect_cache
+from qat_lora.cache import MANIFEST, TOKEN_BYTES, KDCache, inspect_cache
 from qat_lora.cache_build import build_cache
 from qat_lora.config import QuantizeConfig, StudentSpec, TrainConfig
 from qat_lora.config_data import CacheBuildConfig
@@ -104,7 +104,6 @@ TRAIN_CACHE = {"lora-sampled": "sampled", "lora-topk-wide": "wide"}
 METHODS = ("teacher", *PTQ_INITS, *DATA_INITS, *TRAINED)
 STARTS = ("preset", *DATA_INITS.values())
 HOLDOUT_FRACTION = 0.05  # documents of the training prose held out for the KD metrics (as the demo)
-TOKEN_BYTES = 5  # a cached token without targets: its int32 id and its mask byte (docs/cache-format.md)
 SAMPLED_TOLERANCE = 0.15  # |sampled / top-K bytes per token - 1| above this is reported as unmatched
 
 

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from qat_lora.cache import TOKEN_BYTES
+
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN_BYTES = 5  # a cached token without targets: int32 id + mask byte (docs/cache-format.md)
 
 
 def step_seconds(run: Path, skip: int) -> float:

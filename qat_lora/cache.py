@@ -24,6 +24,7 @@ from .files import first_line, sha256_file
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 BASE_KEYS = ("input_ids", "attention_mask")
+TOKEN_BYTES = 5  # a cached token's own bytes, targets aside: its int32 id and its mask byte (docs/cache-format.md)
 
 
 class KDCache:

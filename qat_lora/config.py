@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from . import models
 from .config_checks import (MAX_LR, MAX_LR_RATIO, MAX_TEMPERATURE, check_adapter, check_gguf_export, check_output_file,
@@ -351,7 +352,14 @@ class RecoverConfig(StudentSpec):
     weight_lr: float = field(default=2e-3, metadata={"help": "stage 2 (weight-qat): peak learning rate of the weights"})
     lora_steps: int = field(default=200, metadata={"help": "stage 3, recovery LoRA over the stage-2 student: "
                                                            "optimizer steps (0 = no LoRA: the result is on the grid)"})
-    lr: float = field(default=2e-3, metadata={"help": "stage 3: peak learning rate of LoRA"})
+    # Several rates = a probe: each trains --lr-probe-steps steps from the same init and the lowest held-out KD
+    # loss of the cache wins (never the eval text). SmolLM2's 2e-3 lost to its own init on Gemma 3 at w4g64, where
+    # 5e-4 won: one fixed rate does not transfer between models (docs/RESULTS.md).
+    lr: list[float] = field(default_factory=lambda: [5e-4, 1e-3, 2e-3], metadata={
+        "help": "stage 3: peak learning rate of LoRA; several = a short probe of each on the cache's held-out split "
+                "chooses one (one value: no probe)"})
+    lr_probe_steps: int = field(default=0, metadata={"help": "stage 3: optimizer steps of each --lr probe run "
+                                                             "(0 = a fifth of --lora-steps, at least 4)"})
     lora_r: int = field(default=16, metadata={"help": "stage 3: LoRA rank (alpha = 2 r)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per micro-step (per chip)"})
     accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
@@ -366,9 +374,19 @@ class RecoverConfig(StudentSpec):
             raise ValueError(f"--qat {self.qat!r}: choose one of {', '.join(QAT_STAGES)}")
         require_positive(self, "calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps")
         require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
-        rates = ("qat_lr", "weight_lr", "lr", "blockwise_lr", "blockwise_quant_lr")
+        if isinstance(self.lr, (int, float)):  # RecoverConfig(lr=1e-3) from Python: one rate, no probe
+            self.lr = [float(self.lr)]
+        if not self.lr:
+            raise ValueError("--lr: give at least one learning rate")
+        if len(set(self.lr)) != len(self.lr):
+            raise ValueError(f"--lr {' '.join(f'{x:g}' for x in self.lr)}: a rate is repeated; list each once")
+        rates = ("qat_lr", "weight_lr", "blockwise_lr", "blockwise_quant_lr")
+        for lr in self.lr:  # each checked like a single rate, named by the flag
+            require_positive(SimpleNamespace(lr=lr), "lr", finite=True)
+            require_at_most(SimpleNamespace(lr=lr), lr=MAX_LR)
         require_positive(self, *rates, finite=True)
         require_at_most(self, **dict.fromkeys(rates, MAX_LR))
+        require_non_negative(self, "lr_probe_steps")
         require_seed(self.seed)
         require_device(self.device)  # it reaches the device only in stage 2, after the init has run
         if not self.quant:

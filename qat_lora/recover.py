@@ -5,6 +5,9 @@
                            blocks/                                 then block-wise reconstruction (--blockwise-steps)
         runs/w2g64/qat/    a train run (--qat weight-qat|qat)      stage 2 (off by default): end-to-end KD of weights +
                                                                    scales/zeros
+        runs/w2g64/probe/  lr-<rate>/ train runs, probe.json       stage 3a (several --lr): each rate trains
+                                                                   --lr-probe-steps from the same student; the lowest
+                                                                   held-out KD loss of the cache chooses stage 3's
         runs/w2g64/lora/   a train run (recovery-lora)             stage 3: LoRA over the stage-2 student
         runs/w2g64/recover.json                                    what to load: --quantizer and --adapter
 
@@ -14,18 +17,29 @@ Rerun the same command after a stop: finished stages are skipped, an interrupted
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 from .config import QuantizeConfig, RecoverConfig, TrainConfig
 from . import models
+from .cache import KDCache
 from .files import FolderLock, atomic_write_json, check_out_apart_from_inputs, owner_stamp, read_record, require_folder
 from .ptq import REPORT_FILE, init_is_current, quantize
-from .runs import QUANTIZER_FILE, check_run_folder
+from .runs import QUANTIZER_FILE, RunDiverged, check_run_folder
 from .train import train
 
 SUMMARY_FILE = "recover.json"
+PROBE_FILE = "probe.json"
+
+
+def probe_steps(cfg: RecoverConfig) -> int:
+    return cfg.lr_probe_steps or max(4, cfg.lora_steps // 5)
+
+
+def _probe_folder(lr: float) -> str:
+    return f"probe/lr-{lr:g}"
 
 
 def _init_stage(cfg: RecoverConfig, log: Callable[[str], None]) -> str:
@@ -58,6 +72,42 @@ def _train_stage(cfg: RecoverConfig, name: str, quantizer: str, log: Callable[[s
     return train(train_cfg, log, rerun="rerun the same qat-lora recover command to continue")
 
 
+def _lora_fields(cfg: RecoverConfig, lr: float, steps: int) -> dict:
+    return dict(preset="recovery-lora", max_steps=steps, lr=lr, lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r,
+                warmup_steps=max(1, steps // 20))
+
+
+def _choose_lr(cfg: RecoverConfig, quantizer: str, log: Callable[[str], None]) -> tuple[float, dict]:
+    """Stage 3a: the LoRA rate with the lowest held-out KD loss after a short run of each (its own schedule,
+    evaluated once at its end). The right rate differs between models and bit widths (SmolLM2 w3g64 2e-3,
+    Gemma 3 w4g64 5e-4) and a too-high one shows within a few steps; a short run does favour higher rates a
+    little, so the probe is a guard against the wrong order of magnitude, not a fine search.
+
+    Returns:
+        (rate, {rate: held-out loss or inf where the run diverged}).
+    """
+    if len(cfg.lr) == 1:
+        return cfg.lr[0], {}
+    steps, scores = probe_steps(cfg), {}
+    for lr in cfg.lr:
+        try:
+            summary = _train_stage(cfg, _probe_folder(lr), quantizer, log, eval_steps=steps, save_steps=0,
+                                   **_lora_fields(cfg, lr, steps))
+            scores[lr] = summary["best_eval_loss"]
+        except RunDiverged:  # too high a rate: it loses, the others still run
+            scores[lr] = math.inf
+        log(f"stage 3a (lr probe): lr {lr:g}, held-out KD loss {scores[lr]:.4f} after {steps} steps")
+    best = min(cfg.lr, key=lambda lr: scores[lr])
+    if not math.isfinite(scores[best]):
+        raise ValueError(f"--lr {' '.join(f'{x:g}' for x in cfg.lr)}: every rate diverged in the probe; "
+                         "pass lower rates")
+    atomic_write_json(Path(cfg.out) / "probe" / PROBE_FILE, {
+        **owner_stamp("recover-probe"), "steps": steps, "chosen": best,
+        "heldout_kd_loss": {f"{lr:g}": (scores[lr] if math.isfinite(scores[lr]) else None) for lr in cfg.lr}})
+    log(f"stage 3a (lr probe): lr {best:g} chosen")
+    return best, scores
+
+
 def recover(cfg: RecoverConfig, log: Callable[[str], None] = print) -> dict:
     """Run the stages cfg asks for; returns (and writes to out/recover.json) what to load afterwards. Each stage
     refuses a sub-folder it did not write; the whole --out is held against a second recover meanwhile."""
@@ -68,8 +118,12 @@ def recover(cfg: RecoverConfig, log: Callable[[str], None] = print) -> dict:
 
 
 def _recover(cfg: RecoverConfig, log: Callable[[str], None]) -> dict:
-    for stage in ("qat", "lora"):  # before stage 1's minutes of work: a stage folder no run wrote is refused
+    probes = [_probe_folder(lr) for lr in cfg.lr] if cfg.lora_steps and len(cfg.lr) > 1 else []
+    for stage in ("qat", "lora", *probes):  # before stage 1's minutes of work: a folder no run wrote is refused
         check_run_folder(Path(cfg.out) / stage)
+    if probes and KDCache(cfg.cache).num_sequences("heldout") == 0:
+        raise ValueError(f"--cache {cfg.cache}: no held-out split to choose --lr on; rebuild it with "
+                         "--holdout-fraction > 0, or pass one --lr")
     quantizer = _init_stage(cfg, log)
     stages = {"init": quantizer}
     if cfg.qat != "none":
@@ -77,11 +131,14 @@ def _recover(cfg: RecoverConfig, log: Callable[[str], None]) -> dict:
                            weight_lr_ratio=cfg.weight_lr / cfg.qat_lr, warmup_steps=max(1, cfg.qat_steps // 20))
         quantizer = stages["qat"] = qat["quantizer"]
     adapter = ""
+    lr, probe = None, {}
     if cfg.lora_steps:
-        lora = _train_stage(cfg, "lora", quantizer, log, preset="recovery-lora", max_steps=cfg.lora_steps, lr=cfg.lr,
-                            lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r, warmup_steps=max(1, cfg.lora_steps // 20))
+        lr, probe = _choose_lr(cfg, quantizer, log)
+        lora = _train_stage(cfg, "lora", quantizer, log, **_lora_fields(cfg, lr, cfg.lora_steps))
         adapter = stages["lora"] = lora["adapter"]
-    summary = {**owner_stamp("recover"), "quantizer": quantizer, "adapter": adapter or None, "stages": stages, "config": asdict(cfg),
+    summary = {**owner_stamp("recover"), "quantizer": quantizer, "adapter": adapter or None, "stages": stages,
+               "lr": lr, "lr_probe": {f"{k:g}": (v if math.isfinite(v) else None) for k, v in probe.items()},
+               "config": asdict(cfg),
                "eval": f"qat-lora eval --model {cfg.model} --quant {cfg.quant} --quantizer {quantizer}"
                        + (f" --adapter {adapter}" if adapter else "") + " --text <held-out text>"}
     atomic_write_json(Path(cfg.out) / SUMMARY_FILE, summary)

@@ -35,7 +35,7 @@ def test_stages_chain_and_a_rerun_only_adds_what_is_new(teacher_dir, cache_dir, 
     assert json.loads((out / "qat" / "config.json").read_text())["quantizer"] == first["stages"]["init"]
     before = {p: p.stat().st_mtime_ns for p in (out / "init").rglob("*")} | \
         {p: p.stat().st_mtime_ns for p in (out / "qat").rglob("*")}
-    second = recover(_cfg(teacher_dir, cache_dir, out, lora_steps=4), **QUIET)  # the same stages + LoRA
+    second = recover(_cfg(teacher_dir, cache_dir, out, lora_steps=4, lr=2e-3), **QUIET)  # the same stages + LoRA
     assert {p: p.stat().st_mtime_ns for p in before} == before  # init and qat were not redone
     assert second["adapter"] == str(out / "lora" / "adapter") and second["quantizer"] == first["quantizer"]
     assert json.loads((out / "lora" / "config.json").read_text())["quantizer"] == first["quantizer"]
@@ -73,7 +73,80 @@ def test_changed_init_settings_are_refused_not_mixed(teacher_dir, cache_dir, tmp
         recover(_cfg(teacher_dir, cache_dir, out, qat="none", init="act"), **QUIET)
 
 
+def test_lr_probe_chooses_the_rate_with_the_lowest_heldout_kd_loss(teacher_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    rates = [1e-5, 3e-3, 0.5]  # too low to move, about right, far too high for a tiny random model
+    summary = recover(_cfg(teacher_dir, cache_dir, out, qat="none", lora_steps=6, lr=rates, lr_probe_steps=3),
+                      **QUIET)
+    probe = json.loads((out / "probe" / "probe.json").read_text())
+    assert probe["steps"] == 3 and set(probe["heldout_kd_loss"]) == {"1e-05", "0.003", "0.5"}
+    scores = {float(k): v for k, v in probe["heldout_kd_loss"].items()}
+    finite = {k: v for k, v in scores.items() if v is not None}
+    assert probe["chosen"] == summary["lr"] == min(finite, key=finite.get) == 3e-3
+    for lr, score in finite.items():  # each score is the probe adapter's held-out soft CE, recomputed here
+        run = out / "probe" / f"lr-{lr:g}"
+        assert json.loads((run / "config.json").read_text())["max_steps"] == 3
+        assert _soft_ce(teacher_dir, cache_dir, summary["quantizer"], str(run / "adapter")) == pytest.approx(score,
+                                                                                                            rel=1e-4)
+    lora = json.loads((out / "lora" / "config.json").read_text())
+    assert lora["lr"] == 3e-3 and lora["max_steps"] == 6 and lora["eval_steps"] == 0
+    runs = {p: p.stat().st_mtime_ns for p in (out / "probe").glob("lr-*/adapter/*.safetensors")}
+    again = recover(_cfg(teacher_dir, cache_dir, out, qat="none", lora_steps=6, lr=rates, lr_probe_steps=3), **QUIET)
+    assert again["lr"] == 3e-3 and again["adapter"] == summary["adapter"]
+    assert runs and {p: p.stat().st_mtime_ns for p in runs} == runs  # finished probes are read, not rerun
+
+
+def test_a_diverged_probe_loses_and_all_diverged_is_one_line(teacher_dir, cache_dir, tmp_path, monkeypatch):
+    from qat_lora import recover as recover_module
+    from qat_lora.runs import RunDiverged
+
+    real = recover_module._train_stage
+
+    def diverge_above(limit):
+        def stage(cfg, name, quantizer, log, **fields):
+            if fields["lr"] > limit and name.startswith("probe/"):
+                raise RunDiverged("training diverged")
+            return real(cfg, name, quantizer, log, **fields)
+        return stage
+
+    monkeypatch.setattr(recover_module, "_train_stage", diverge_above(1e-3))
+    out = recover(_cfg(teacher_dir, cache_dir, tmp_path / "a", qat="none", lora_steps=4, lr=[1e-3, 2e-3],
+                       lr_probe_steps=2), **QUIET)
+    assert out["lr"] == 1e-3 and out["lr_probe"]["0.002"] is None
+    monkeypatch.setattr(recover_module, "_train_stage", diverge_above(0.0))
+    with pytest.raises(ValueError, match=r"^--lr 0.001 0.002: every rate diverged in the probe; pass lower rates$"):
+        recover(_cfg(teacher_dir, cache_dir, tmp_path / "b", qat="none", lora_steps=4, lr=[1e-3, 2e-3],
+                     lr_probe_steps=2), **QUIET)
+    assert not (tmp_path / "b" / "lora").exists()
+
+
+def test_lr_probe_needs_a_heldout_split(teacher_dir, corpus_dir, tmp_path):
+    from qat_lora.cache_build import build_cache
+    from qat_lora.config_data import CacheBuildConfig
+
+    cache = tmp_path / "cache"
+    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cache), seq_len=32,
+                                 top_k=8, max_tokens=2_000, batch_size=8, holdout_fraction=0.0, device="cpu"),
+                log=lambda _: None)
+    with pytest.raises(ValueError, match="no held-out split to choose --lr on"):
+        recover(_cfg(teacher_dir, cache, tmp_path / "run", qat="none", lora_steps=4, lr=[1e-3, 2e-3]), **QUIET)
+    assert not (tmp_path / "run" / "init").exists()  # refused before the init's minutes of work
+
+
+def test_one_lr_on_the_command_line_skips_the_probe(teacher_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    argv = ["recover", "--model", str(teacher_dir), "--quant", "w2g32", "--cache", str(cache_dir), "--out", str(out),
+            "--calib-sequences", "16", "--lora-steps", "2", "--lora-r", "4", "--save-steps", "0", "--device", "cpu",
+            "--lr", "1e-3"]
+    assert main(argv) == 0
+    assert not (out / "probe").exists() and json.loads((out / "lora" / "config.json").read_text())["lr"] == 1e-3
+    assert json.loads((out / "recover.json").read_text())["lr"] == 1e-3
+
+
 @pytest.mark.parametrize("flag, value, message", [
+    ("--lr", "1e-3 1e-3", "--lr 0.001 0.001: a rate is repeated; list each once"),
+    ("--lr", "0", "--lr 0.0: must be positive"),
+    ("--lr", "2", "--lr 2.0: must be at most 1"),
     ("--qat", "lsq", "--qat 'lsq': choose one of none, weight-qat, qat"),
     ("--init", "awq", "--init 'awq': choose one of"),
     ("--qat-steps", "0", "--qat-steps 0: must be positive"),
@@ -82,7 +155,7 @@ def test_changed_init_settings_are_refused_not_mixed(teacher_dir, cache_dir, tmp
 ])
 def test_bad_flags_are_one_line_errors(flag, value, message, teacher_dir, cache_dir, tmp_path, capsys):
     argv = ["recover", "--model", str(teacher_dir), "--quant", "w2g32", "--cache", str(cache_dir),
-            "--out", str(tmp_path / "r"), flag, value]
+            "--out", str(tmp_path / "r"), flag, *value.split()]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qat-lora recover: error: " + message)
