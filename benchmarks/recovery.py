@@ -595,14 +595,20 @@ def _fmt(value, spec: str = ".3f") -> str:
     return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
+def _lrs(record: dict) -> str:
+    """The peak learning rate of each training stage ("–" for a PTQ row)."""
+    return " / ".join(f"{s['lr']:g}" for s in record.get("stages") or [] if s.get("lr")) or "–"
+
+
 def markdown_table(records: list[dict]) -> str:
-    head = ("| budget | preset | method | r | init | ppl | NLL | NLL − teacher (nats) | ppl ÷ teacher | gap recovered "
+    head = ("| budget | preset | method | r | lr | init | ppl | NLL | NLL − teacher (nats) | ppl ÷ teacher | gap recovered "
             "(ppl) | gap recovered (nats) | news ppl | news ppl ÷ teacher | news gap recovered | KD KL | top-1 | tokens | "
             "wall s | device |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in records:
         lines.append(
-            f"| {r['budget']} | {r['preset'] or '–'} | {r['method']} | {r['lora_r'] or '–'} | {r['init'] or '–'} | "
+            f"| {r['budget']} | {r['preset'] or '–'} | {r['method']} | {r['lora_r'] or '–'} | {_lrs(r)} | "
+            f"{r['init'] or '–'} | "
             f"{_fmt(r['ppl'], 'ppl')} | {_fmt(r['nll'])} | {_fmt(r['nll_gap_nats'])} | {_fmt(r['ppl_ratio'], '.2f')} | "
             f"{_fmt(r['gap_recovered'], '%')} | {_fmt(r['gap_recovered_nats'], '%')} | "
             f"{_fmt(r.get('ppl_news'), 'ppl')} | {_fmt(r.get('ppl_ratio_news'), '.2f')} | "

@@ -170,6 +170,9 @@ def test_markdown_table_and_plots(first_run, tiny_args):
     rows = [line for line in table.splitlines() if line.startswith("| test |")]
     assert len(rows) == len(first_run["records"])
     assert all(f"| {m} |" in table for m in METHODS)
+    for record, row in zip(first_run["records"], rows):  # each row names its stages' learning rates
+        rates = [f"{s['lr']:g}" for s in record.get("stages") or []]
+        assert f"| {' / '.join(rates) or '–'} |" in row and (record["method"] != "qat+lora" or len(rates) == 2)
     pytest.importorskip("matplotlib")
     assert (json_path.parent / "recovery_gap.png").stat().st_size > 0
     assert (json_path.parent / "recovery_loss_w4g32.png").stat().st_size > 0
