@@ -359,7 +359,7 @@ class RecoverConfig(StudentSpec):
         "help": "stage 3: peak learning rate of LoRA; several = a short probe of each on the cache's held-out split "
                 "chooses one (one value: no probe)"})
     lr_probe_steps: int = field(default=0, metadata={"help": "stage 3: optimizer steps of each --lr probe run "
-                                                             "(0 = a fifth of --lora-steps, at least 4)"})
+                                                             "(0 = a fifth of --lora-steps, 4 to 20)"})
     lora_r: int = field(default=16, metadata={"help": "stage 3: LoRA rank (alpha = 2 r)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per micro-step (per chip)"})
     accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})

@@ -96,6 +96,16 @@ def test_lr_probe_chooses_the_rate_with_the_lowest_heldout_kd_loss(teacher_dir, 
     assert runs and {p: p.stat().st_mtime_ns for p in runs} == runs  # finished probes are read, not rerun
 
 
+@pytest.mark.parametrize("lora_steps, probe, expected", [(200, 0, 20), (1000, 0, 20), (40, 0, 8), (4, 0, 4),
+                                                         (200, 7, 7)])
+def test_probe_length_is_a_fifth_of_the_stage_within_4_to_20(lora_steps, probe, expected, teacher_dir, cache_dir,
+                                                             tmp_path):
+    from qat_lora.recover import probe_steps
+
+    cfg = _cfg(teacher_dir, cache_dir, tmp_path / "run", lora_steps=lora_steps, lr_probe_steps=probe)
+    assert probe_steps(cfg) == expected
+
+
 def test_a_diverged_probe_loses_and_all_diverged_is_one_line(teacher_dir, cache_dir, tmp_path, monkeypatch):
     from qat_lora import recover as recover_module
     from qat_lora.runs import RunDiverged
