@@ -81,9 +81,9 @@ def _lora_fields(cfg: RecoverConfig, lr: float, steps: int) -> dict:
 def _choose_lr(cfg: RecoverConfig, quantizer: str, log: Callable[[str], None]) -> tuple[float, dict]:
     """Stage 3a: the LoRA rate with the lowest held-out KD loss after a short run of each (its own schedule,
     evaluated once at its end). The right rate differs between models (SmolLM2's 2e-3 is too high for Gemma 3,
-    where 5e-4 wins) and a too-high one shows within a few steps: on Gemma 3 a 10-step probe ranked 5e-4 < 1e-3 < 2e-3 at w3g64 and
-    w4g64, the order of the 40-step runs (where 5e-4 and 1e-3 tie at w3g64; docs/RESULTS.md). It is a guard
-    against a rate wrong by 2x or more, not a fine search.
+    where 5e-4 wins) and a too-high one shows within a few steps: on Gemma 3 a 10-step probe ranked
+    5e-4 < 1e-3 < 2e-3 at w3g64 and w4g64, the order of the 40-step runs (where 5e-4 and 1e-3 tie at w3g64;
+    docs/RESULTS.md). It is a guard against a rate wrong by 2x or more, not a fine search.
 
     Returns:
         (rate, {rate: held-out loss or inf where the run diverged}).
