@@ -1,11 +1,23 @@
 """Shared fixtures: tiny models built from a config and a tokenizer trained on the spot. No downloads."""
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+def load_benchmark(script: str, name: str | None = None):
+    """benchmarks/<script>.py as a module. benchmarks/ is scripts, not a package: the file itself is loaded (no
+    sys.path change leaks into other tests), registered before it runs, as dataclasses look their module up."""
+    spec = importlib.util.spec_from_file_location(name or script, Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / f"{script}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 WORDS = ("the a of to and in is was for on that with as by at from his her it an be this which or are "
          "king queen river city music war light stone house garden ship star night morning letter "

@@ -3,21 +3,19 @@ published parameter counts and exactly the parameters transformers builds, the F
 harness's on a built model, and the table's formula is the one docs/BENCHMARKS.md states."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("memory_bench", ROOT / "benchmarks" / "memory_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("memory_bench")
 
 
 def test_config_numbers_give_the_published_sizes(bench):

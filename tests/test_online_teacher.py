@@ -9,13 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_model_dir, make_tokenizer, synthetic_text
+from conftest import load_benchmark, make_model_dir, make_tokenizer, synthetic_text
 from qat_lora import models
 from qat_lora.cache import BASE_KEYS, KDCache
 from qat_lora.cache_build import build_cache
@@ -179,10 +178,7 @@ def test_the_online_step_on_xla_compiles_and_runs_as_many_graphs_as_the_cached_s
 
 
 def test_target_bench_times_a_cached_and_an_online_variant(tmp_path, full_cache, teacher_dir):
-    spec = importlib.util.spec_from_file_location("target_bench", Path(__file__).parents[1] / "benchmarks" /
-                                                  "target_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("target_bench")
     result = bench.main(["--teacher", str(teacher_dir), "--variant", f"kv:{full_cache}", "--variant",
                          f"online:{full_cache}", "--quant", "w2g32", "--batch-size", "2", "--steps", "4", "--skip",
                          "1", "--work", str(tmp_path / "work"), "--json", str(tmp_path / "steps.json")])

@@ -1,16 +1,14 @@
 """benchmarks/recovery.py end to end on a tiny model: every method, one preset, a few steps, run twice."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import synthetic_text
+from conftest import load_benchmark, synthetic_text
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", "gap_recovered_nats", "nll_gap_nats",
@@ -23,12 +21,7 @@ METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "
 
 
 def _load_script():
-    # benchmarks/ is scripts, not a package: load the file itself (no sys.path change leaks into other tests).
-    # Registered before it runs: dataclasses look their module up in sys.modules.
-    spec = importlib.util.spec_from_file_location("recovery_bench", ROOT / "benchmarks" / "recovery.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("recovery", "recovery_bench")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 end-to-end run on a tiny shape (every measurement a subprocess, as in the real run)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +13,8 @@ import torch
 
 from qat_lora.config import TRAIN_PRESETS
 
+from conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("kind", "device", "shape", "seq_len", "batch_size", "preset", "quant", "loss", "tokens_per_s", "mfu",
             "peak_mem_bytes")
@@ -21,10 +22,7 @@ REQUIRED = ("kind", "device", "shape", "seq_len", "batch_size", "preset", "quant
 
 @pytest.fixture(scope="module")
 def step_bench():
-    spec = importlib.util.spec_from_file_location("step_bench", ROOT / "benchmarks" / "step_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_bench")
 
 
 def test_configurations_pair_every_preset_with_the_fake_quant_linear_only(step_bench):
