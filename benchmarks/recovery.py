@@ -75,7 +75,7 @@ from qat_lora.assets import Assets, default_assets_dir
 from qat_lora.teachers import TEACHERS
 from qat_lora.cache import MANIFEST, TOKEN_BYTES, KDCache, inspect_cache
 from qat_lora.cache_build import build_cache
-from qat_lora.config import QuantizeConfig, StudentSpec, TrainConfig
+from qat_lora.config import LORA_INITS, TRAIN_PRESETS, QuantizeConfig, StudentSpec, TrainConfig
 from qat_lora.config_data import CacheBuildConfig
 from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
 from qat_lora.export import bits_per_weight
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step (also for the cache and eval)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per cached training sequence")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of LoRA (as the demo)")
+    p.add_argument("--lora-init", default="zero", choices=LORA_INITS,
+                   help="start of every LoRA stage: zero (B = 0) or calibrated (each pair the best rank-r "
+                        "correction of its layer's quantisation error on the cache's training text)")
     # Scales here are ~0.1 (SmolLM2 w3g64 median 0.12) and Adam moves each by about lr per step: 5e-4 is a
     # <= 0.5 % change per step where LoRA's 2e-3 would be 2 %.
     p.add_argument("--qat-lr", type=float, default=5e-4, help="peak learning rate of the quantiser parameters (qat)")
@@ -390,7 +393,10 @@ def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) ->
         fields["weight_lr_ratio"] = args.weight_lr / args.qat_lr
     if row.method == "lora-online":
         fields["online_teacher"] = args.teacher
-    return [{**fields, **TRAINED[row.method]}]
+    fields = {**fields, **TRAINED[row.method]}
+    if args.lora_init != "zero" and "lora" in TRAIN_PRESETS[fields.get("preset", "recovery-lora")]:
+        fields["lora_init"] = args.lora_init  # only when not the default: earlier rows keep their keys
+    return [fields]
 
 
 def run_dir(args: argparse.Namespace, row: Row, fields: dict) -> str:
@@ -467,6 +473,7 @@ def train_stage(args: argparse.Namespace, row: Row, fields: dict) -> dict:
                                 save_steps=max(1, args.max_steps // 4),
                                 keep_checkpoints=1, log_steps=max(1, args.max_steps // 50)))
     return {"run_dir": out, "train_preset": fields.get("preset", "recovery-lora"), "lr": fields["lr"],
+            **({"lora_init": fields["lora_init"]} if "lora_init" in fields else {}),
             "steps": summary["steps"], "tokens": summary["tokens"], "wall_s": summary["wall_s"],  # all processes
             "tokens_per_s": summary["tokens_per_s"], "adapter": summary["adapter"],
             "quantizer": summary["quantizer"] or fields.get("quantizer") or None}
@@ -595,9 +602,10 @@ def _fmt(value, spec: str = ".3f") -> str:
     return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
-def _lrs(record: dict) -> str:
-    """The peak learning rate of each training stage ("–" for a PTQ row)."""
-    return " / ".join(f"{s['lr']:g}" for s in record.get("stages") or [] if s.get("lr")) or "–"
+def _lrs(record: dict, sep: str = " / ") -> str:
+    """The peak learning rate of each training stage ("–" for a PTQ row); "cal." marks a calibrated LoRA start."""
+    return sep.join(f"{s['lr']:g}" + (" cal." if s.get("lora_init") == "calibrated" else "")
+                    for s in record.get("stages") or [] if s.get("lr")) or "–"
 
 
 def markdown_table(records: list[dict]) -> str:
@@ -696,8 +704,8 @@ def ppl_series(records: list[dict], preset: str) -> dict[str, list[tuple[int, fl
     (a rerun), the later record is the one plotted."""
     series: dict[str, dict[int, float]] = {}
     for r in (r for r in records if r["preset"] == preset and r["tokens"]):
-        lrs = "+".join(f"{s['lr']:g}" for s in r.get("stages") or [] if s.get("lr") is not None)
-        label = _label(r) + (f" lr {lrs}" if lrs else "")
+        lrs = _lrs(r, "+")
+        label = _label(r) + (f" lr {lrs}" if lrs != "–" else "")
         label += f" from {r['start_init']} ({text_family(r.get('train_text'))})"
         series.setdefault(label, {})[r["tokens"]] = r["ppl"]
     return {label: sorted(points.items()) for label, points in series.items()}

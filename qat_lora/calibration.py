@@ -1,8 +1,9 @@
 """Data-aware statistics of a full-precision model's linear inputs, for data-aware quantiser initialisation.
 
-`activation_importance` gives each input column of every linear a weight (its mean squared activation on
-calibration text), which the MSE clipping search and k-means use to weigh the reconstruction error
-(AWQ-style: columns that see large activations matter more).
+`calibration_batches` takes the calibration text from a KD cache's training split. `activation_importance`
+gives each input column of every linear a weight (its mean squared activation on calibration text), which the
+MSE clipping search and k-means use to weigh the reconstruction error (AWQ-style: columns that see large
+activations matter more).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .cache import KDCache
 from .quant import QuantConfig, get_preset
 
 
@@ -43,3 +45,22 @@ def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor], con
         for h in handles:
             h.remove()
     return {name: (sums[name] / counts[name]).cpu() for name in sums}
+
+
+def calibration_batches(cache_dir: str, sequences: int, batch_size: int, flag: str = "--calib-sequences"
+                        ) -> list[torch.Tensor]:
+    """The first `sequences` training sequences of a KD cache as input_ids batches [B, L] (fixed order);
+    `flag` is the option named when the cache holds fewer."""
+    cache = KDCache(cache_dir)
+    available = cache.num_sequences("train")
+    if available < sequences:
+        raise ValueError(f"{flag} {sequences}: the cache {cache_dir} holds {available} training "
+                         "sequences; lower it or build a larger cache")
+    out, taken = [], 0
+    for batch in cache.batches("train", batch_size, shuffle=False, drop_last=False):
+        keep = min(batch_size, sequences - taken)
+        out.append(batch["input_ids"][:keep])
+        taken += keep
+        if taken >= sequences:
+            break
+    return out

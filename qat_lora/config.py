@@ -37,6 +37,7 @@ TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
 PARALLEL_MODES = ("auto", "processes", "spmd", "fsdp")
 STORAGE_DTYPES = ("fp32", "bf16")
 REPORT_TO = ("none", "tensorboard", "wandb")
+LORA_INITS = ("zero", "calibrated")
 
 
 @dataclass
@@ -117,6 +118,13 @@ class TrainConfig(StudentSpec):
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (inf: no clipping)"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
+    lora_init: str = field(default="zero", metadata={
+        "help": "LoRA start: zero (B = 0: the quantised student) or calibrated (each pair the best rank-r "
+                "correction of its layer's quantisation error on --lora-init-sequences of the cache's training "
+                "text; needs --model's full-precision weights)"})
+    lora_init_sequences: int = field(default=128, metadata={"help": "--lora-init calibrated: calibration sequences "
+                                                                          "(the first of the cache's training split; "
+                                                                          "all of them if it holds fewer)"})
     temperature: float = field(default=1.0, metadata={"help": "KD temperature"})
     alpha: float = field(default=1.0, metadata={"help": "weight of the KD term; 1 - alpha on hard-label CE"})
     renormalize_topk: bool = field(default=False, metadata={"help": "baseline only: renormalise teacher and student "
@@ -201,6 +209,12 @@ class TrainConfig(StudentSpec):
         if self.storage_dtype != "fp32" and TRAIN_PRESETS.get(self.preset) != ("lora",):
             raise ValueError(f"--storage-dtype {self.storage_dtype} --preset {self.preset}: the latent weights and "
                              "quantiser train, so they stay fp32; use --preset recovery-lora or --storage-dtype fp32")
+        if self.lora_init not in LORA_INITS:
+            raise ValueError(f"--lora-init {self.lora_init!r}: choose {' or '.join(LORA_INITS)}")
+        require_positive(self, "lora_init_sequences")
+        if self.lora_init != "zero" and "lora" not in TRAIN_PRESETS.get(self.preset, ()):
+            raise ValueError(f"--lora-init {self.lora_init} --preset {self.preset}: that preset trains no LoRA; "
+                             "use --lora-init zero or a LoRA preset")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         if not self.quant:
@@ -361,6 +375,9 @@ class RecoverConfig(StudentSpec):
     lr_probe_steps: int = field(default=0, metadata={"help": "stage 3: optimizer steps of each --lr probe run "
                                                              "(0 = a fifth of --lora-steps, 4 to 20)"})
     lora_r: int = field(default=16, metadata={"help": "stage 3: LoRA rank (alpha = 2 r)"})
+    lora_init: str = field(default="zero", metadata={
+        "help": "stage 3: LoRA start, zero (B = 0) or calibrated (each pair the best rank-r correction of its "
+                "layer's quantisation error on --calib-sequences of the cache)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per micro-step (per chip)"})
     accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
     save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps in each training stage"})
@@ -372,6 +389,8 @@ class RecoverConfig(StudentSpec):
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         if self.qat not in QAT_STAGES:
             raise ValueError(f"--qat {self.qat!r}: choose one of {', '.join(QAT_STAGES)}")
+        if self.lora_init not in LORA_INITS:
+            raise ValueError(f"--lora-init {self.lora_init!r}: choose {' or '.join(LORA_INITS)}")
         require_positive(self, "calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps")
         require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
         if isinstance(self.lr, (int, float)):  # RecoverConfig(lr=1e-3) from Python: one rate, no probe

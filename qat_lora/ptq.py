@@ -24,7 +24,7 @@ import torch
 from . import models
 from .cache import KDCache
 from .blockwise import reconstruct_blocks_
-from .calibration import activation_importance
+from .calibration import activation_importance, calibration_batches
 from .config import QuantizeConfig
 from .files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record,
                     require_folder)
@@ -35,23 +35,6 @@ from .student import quantizer_state_dict, save_quantizer_state
 
 REPORT_FILE = INIT_REPORT_FILE
 BLOCKS_DIR = "blocks"  # block-wise reconstruction's per-block states and progress.json
-
-
-def calibration_batches(cache_dir: str, sequences: int, batch_size: int) -> list[torch.Tensor]:
-    """The first `sequences` training sequences of a KD cache as input_ids batches [B, L] (fixed order)."""
-    cache = KDCache(cache_dir)
-    available = cache.num_sequences("train")
-    if available < sequences:
-        raise ValueError(f"--calib-sequences {sequences}: the cache {cache_dir} holds {available} training "
-                         "sequences; lower it or build a larger cache")
-    out, taken = [], 0
-    for batch in cache.batches("train", batch_size, shuffle=False, drop_last=False):
-        keep = min(batch_size, sequences - taken)
-        out.append(batch["input_ids"][:keep])
-        taken += keep
-        if taken >= sequences:
-            break
-    return out
 
 
 INIT_KIND, INIT_LEGACY_KEYS = "init", ("config", "quant_config")  # quantize.json, the ownership record

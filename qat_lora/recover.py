@@ -75,7 +75,7 @@ def _train_stage(cfg: RecoverConfig, name: str, quantizer: str, log: Callable[[s
 
 def _lora_fields(cfg: RecoverConfig, lr: float, steps: int) -> dict:
     return dict(preset="recovery-lora", max_steps=steps, lr=lr, lora_r=cfg.lora_r, lora_alpha=2.0 * cfg.lora_r,
-                warmup_steps=max(1, steps // 20))
+                warmup_steps=max(1, steps // 20), lora_init=cfg.lora_init, lora_init_sequences=cfg.calib_sequences)
 
 
 def _choose_lr(cfg: RecoverConfig, quantizer: str, log: Callable[[str], None]) -> tuple[float, dict]:

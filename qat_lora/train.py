@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
 import signal
@@ -44,20 +43,14 @@ from .config import TrainConfig, field_defaults
 from .distributed import Backend, init_backend
 from .files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owner_stamp, read_record,
                     require_folder)
+from .lora import calibrated_start_
 from .loss import KDLossConfig, forward_loss
 from .metrics import kd_metrics
+from .optim import build_optimizer, lr_factor
 from .reporting import open_reporters
 from .quant import get_preset, quant_config_dict, quantized_weights_once_per_step
-from .student import (build_student, enable_activation_checkpointing_, has_codes, latent_weights, make_trainable_,
+from .student import (build_student, enable_activation_checkpointing_, has_codes, make_trainable_,
                       resolve_attn, save_artifacts, set_storage_dtype_, trainable_parameters)
-
-
-def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
-    """Linear warm-up to 1, then cosine decay to `min_ratio` at `max_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 @dataclass
@@ -178,12 +171,16 @@ def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Bac
     backend.rendezvous("out-ready")
     dev.seed_everything(cfg.seed)  # same seed on every rank: identical initial adapters everywhere
     model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha)
+    if cfg.lora_init == "calibrated" and resume_from is None:  # a resumed run loads its adapters instead
+        # Still on the host, before the model moves: every rank computes the same deterministic start.
+        calibrated_start_(model, cfg.model, cfg.cache, cfg.lora_init_sequences, cfg.batch_size,
+                          log if backend.is_master else lambda _: None)
     model = backend.shard_model_(set_storage_dtype_(model, cfg.storage_dtype), device)  # fsdp: split as it moves
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing_(model, device)
     model.train()
     params = trainable_parameters(model)
-    optimizer = _optimizer(cfg, model, params)
+    optimizer = build_optimizer(cfg, model, params)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     tokens_per_step = _batch(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
@@ -207,16 +204,6 @@ def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Bac
         f"training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step"
         + (f"; targets from --online-teacher {cfg.online_teacher}" if teacher is not None else ""))
     return run
-
-
-def _optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW; trained latent weights (weight-qat) get --lr x --weight-lr-ratio and no weight decay: decay would
-    pull them towards zero, off the grid the quantiser was fitted to."""
-    weights = {id(p) for p in latent_weights(model) if p.requires_grad}
-    groups = [{"params": [p for p in params.values() if id(p) not in weights]},
-              {"params": [p for p in params.values() if id(p) in weights], "lr": cfg.lr * cfg.weight_lr_ratio,
-               "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _check_finite(run: _Run, finite: bool | None = None) -> None:

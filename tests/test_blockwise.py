@@ -17,7 +17,7 @@ from qat_lora.blockwise import BLOCK_FILE, PROGRESS_FILE, reconstruct_blocks_
 from qat_lora.cache import KDCache
 from qat_lora.config import StudentSpec
 from qat_lora.metrics import kd_metrics
-from qat_lora.ptq import calibration_batches
+from qat_lora.calibration import calibration_batches
 from qat_lora.quant import FakeQuantLinear, QuantConfig, get_preset, quantize_
 from qat_lora.student import build_student, quantizer_state_dict, save_quantizer_state
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from qat_lora.lora import add_recovery_lora_
@@ -64,3 +65,91 @@ def test_early_adapter_gradient_matches_reference_without_detach(teacher_dir):
     torch.testing.assert_close(layer0.lora_B["default"].weight.grad, b_ref.grad, atol=1e-5, rtol=1e-4)
     for h in hooks:
         h.remove()
+
+
+def _correlated_inputs(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) @ (torch.randn(d, d, generator=g) / d**0.5)
+    x[:, [1, 17]] *= 8.0  # outlier channels, as in LLM activations
+    return x
+
+
+def test_low_rank_correction_is_the_optimum_in_the_output_metric():
+    """Against an independent construction (symmetric square root of H by eigh instead of Cholesky): the same
+    rank-r product, the removed output energy equals the kept singular values, and weighting by H beats the
+    plain truncated SVD of the weight error."""
+    from qat_lora.lora import low_rank_correction
+
+    g = torch.Generator().manual_seed(0)
+    delta = torch.randn(24, 64, generator=g, dtype=torch.float64) * 0.01
+    x = _correlated_inputs(400, 64, 1).double()
+    h = x.T @ x / x.shape[0]
+    r, damp = 5, 0.01
+    left, right, energy = low_rank_correction(delta, h, r, damp)
+    assert left.shape == (24, r) and right.shape == (r, 64)
+    hd = h + damp * h.diagonal().mean() * torch.eye(64, dtype=torch.float64)
+    evals, evecs = torch.linalg.eigh(hd)
+    root = evecs @ torch.diag(evals.sqrt()) @ evecs.T
+    u, s, vh = torch.linalg.svd(delta @ root)
+    reference = u[:, :r] @ torch.diag(s[:r]) @ vh[:r] @ torch.linalg.inv(root)
+    torch.testing.assert_close(left @ right, reference, rtol=1e-7, atol=1e-10)
+
+    def error(c):  # tr((delta - c) Hd (delta - c)ᵀ)
+        d = delta - c
+        return float(((d @ hd) * d).sum())
+
+    assert error(left @ right) == pytest.approx(float(energy[r:].sum()), rel=1e-9)
+    assert error(torch.zeros_like(delta)) == pytest.approx(float(energy.sum()), rel=1e-9)
+    u0, s0, vh0 = torch.linalg.svd(delta)
+    assert error(left @ right) < 0.95 * error(u0[:, :r] @ torch.diag(s0[:r]) @ vh0[:r])
+
+
+def test_calibrated_init_sets_each_pair_and_brings_the_student_closer_to_the_teacher(teacher_dir):
+    from qat_lora import blocks
+    from qat_lora.lora import calibrated_lora_init_, low_rank_correction
+
+    teacher = load_causal_lm(teacher_dir)
+    zero = add_recovery_lora_(_student(teacher_dir), r=4, alpha=8.0)
+    model = copy.deepcopy(zero)
+    base_before = {n: p.clone() for n, p in model.named_parameters() if "lora_" not in n}
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randint(0, teacher.config.vocab_size, (4, 24), generator=g) for _ in range(3)]
+    report = calibrated_lora_init_(model, teacher, calib, log=lambda _: None)
+    assert all(torch.equal(p, base_before[n]) for n, p in model.named_parameters() if "lora_" not in n)
+    assert set(report["layers"]) == {f"layers.{i}.{n}" for i in range(2) for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    assert all(0.0 < share < 1.0 for share in report["layers"].values())
+
+    # Layer 0's q_proj sees normed embeddings, the same in teacher and student: rebuild its correction by hand.
+    seen = []
+    hook = teacher.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda m, inp, out: seen.append(inp[0].reshape(-1, inp[0].shape[-1]).double()))
+    with torch.no_grad():
+        for ids in calib:
+            teacher(input_ids=ids)
+    hook.remove()
+    x = torch.cat(seen)
+    q_proj = blocks.decoder_layers(model)[0].self_attn.q_proj
+    delta = teacher.model.layers[0].self_attn.q_proj.weight.double() - q_proj.base_layer.quantized_weight().double()
+    left, right, _ = low_rank_correction(delta, 2.0 * x.T @ x / x.shape[0], 4)
+    product = q_proj.scaling["default"] * q_proj.lora_B["default"].weight.double() @ q_proj.lora_A["default"].weight.double()
+    torch.testing.assert_close(product, left @ right, rtol=1e-4, atol=1e-6)
+
+    held_out = torch.randint(0, teacher.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        target = teacher(input_ids=held_out).logits
+        gap = [float(((m(input_ids=held_out).logits - target) ** 2).mean()) for m in (zero, model)]
+    assert gap[1] < 0.9 * gap[0]
+
+
+def test_calibrated_init_refuses_a_model_without_adapters_or_another_reference(teacher_dir):
+    from qat_lora.lora import calibrated_lora_init_
+
+    ids = [torch.zeros(1, 8, dtype=torch.long)]
+    with pytest.raises(ValueError, match="no LoRA adapter over a quantised linear"):
+        calibrated_lora_init_(_student(teacher_dir), load_causal_lm(teacher_dir), ids)
+    deeper = load_causal_lm(teacher_dir)
+    deeper.model.layers.append(copy.deepcopy(deeper.model.layers[0]))
+    with pytest.raises(ValueError, match="the reference model has 3 decoder layers, the student 2"):
+        calibrated_lora_init_(add_recovery_lora_(_student(teacher_dir), r=4), deeper, ids)

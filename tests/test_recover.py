@@ -170,3 +170,16 @@ def test_bad_flags_are_one_line_errors(flag, value, message, teacher_dir, cache_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qat-lora recover: error: " + message)
     assert not (tmp_path / "r").exists()
+
+
+def test_calibrated_lora_start_reaches_the_lora_stage(teacher_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    summary = recover(_cfg(teacher_dir, cache_dir, out, qat="none", lora_steps=4, lr=[2e-3, 1e-3],
+                           lora_init="calibrated"), **QUIET)
+    for stage in ("lora", "probe/lr-0.002", "probe/lr-0.001"):
+        config = json.loads((out / stage / "config.json").read_text())
+        assert config["lora_init"] == "calibrated" and config["lora_init_sequences"] == 16
+    assert _soft_ce(teacher_dir, cache_dir, summary["quantizer"], summary["adapter"]) < \
+        _soft_ce(teacher_dir, cache_dir, summary["quantizer"])
+    with pytest.raises(ValueError, match="--lora-init 'pissa': choose zero or calibrated"):
+        _cfg(teacher_dir, cache_dir, out, lora_init="pissa")

@@ -149,6 +149,24 @@ def test_start_from_a_data_aware_init(recovery, first_run, tiny_args, tmp_path):
     assert run_config["quantizer"] == gptq["quantizer"] and lora["key"] != first["lora-topk-tail"]["key"]
 
 
+def test_calibrated_lora_start_is_its_own_row(recovery, first_run, tiny_args, tmp_path):
+    # --lora-init calibrated: a new key and run (the zero-start rows keep theirs), recorded per stage and marked in
+    # the table's lr column.
+    args = list(tiny_args)
+    results = tmp_path / "recovery.json"
+    results.write_text(Path(args[args.index("--json") + 1]).read_text())
+    args[args.index("--json") + 1] = str(results)
+    methods = args.index("--methods")
+    args[methods + 1:methods + 1 + len(METHODS)] = ["teacher", "lora-topk-tail"]
+    out = recovery.main(args + ["--lora-init", "calibrated"])
+    calibrated = [r for r in out["records"] if r["method"] == "lora-topk-tail"
+                  and r["stages"][0].get("lora_init") == "calibrated"]
+    zero = _by_method(first_run["records"])["lora-topk-tail"]
+    assert len(calibrated) == 1 and calibrated[0]["key"] != zero["key"] and "lora_init" not in zero["stages"][0]
+    assert json.loads((Path(calibrated[0]["run_dir"]) / "config.json").read_text())["lora_init"] == "calibrated"
+    assert " cal. |" in results.with_suffix(".md").read_text()
+
+
 def test_second_run_skips_every_row(recovery, first_run, tiny_args):
     work = Path(tiny_args[tiny_args.index("--work") + 1])
     before = {p: p.stat().st_mtime_ns for p in work.rglob("*")}

@@ -22,7 +22,7 @@ from qat_lora.metrics import kd_metrics
 from qat_lora.quant import quantizer_parameters
 from qat_lora.student import (build_student, enable_activation_checkpointing_, latent_weights, load_student,
                               make_trainable_, quantizer_state_dict, save_quantizer_state)
-from qat_lora.train import _optimizer
+from qat_lora.optim import build_optimizer
 from qat_lora.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_weight_qat_latent_weights_get_their_own_learning_rate(teacher_dir, cach
     cfg = _cfg(teacher_dir, cache_dir, tmp_path, preset="weight-qat", lr=1e-3, weight_lr_ratio=0.25, weight_decay=0.1)
     model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), "weight-qat")
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    quant_group, weight_group = _optimizer(cfg, model, params).param_groups
+    quant_group, weight_group = build_optimizer(cfg, model, params).param_groups
     assert {id(p) for p in weight_group["params"]} == {id(w) for w in latent_weights(model)}
     assert weight_group["lr"] == 2.5e-4 and weight_group["weight_decay"] == 0.0
     assert quant_group["lr"] == 1e-3 and quant_group["weight_decay"] == 0.1
@@ -383,3 +383,20 @@ def test_tensorboard_scalars_match_the_metrics_file(teacher_dir, cache_dir, tmp_
     for (_, got), (_, want) in zip(logged, expected):
         assert got == pytest.approx(want, rel=1e-6)
     assert [s.step for s in events.Scalars("eval/eval_loss")] == [2, 4]
+
+
+def test_calibrated_lora_init_starts_closer_to_the_teacher_than_zero(teacher_dir, cache_dir, tmp_path):
+    """--lora-init calibrated: the run starts from the calibrated adapters (held-out KD loss after one step at a
+    negligible rate is lower than the zero start's), records it, and refuses a preset without LoRA."""
+    losses = {}
+    for init in ("zero", "calibrated"):
+        run = tmp_path / init
+        train(_cfg(teacher_dir, cache_dir, run, max_steps=1, lr=1e-9, warmup_steps=0, lora_init=init,
+                   lora_init_sequences=16), **QUIET)
+        assert json.loads((run / "config.json").read_text())["lora_init"] == init
+        losses[init] = _heldout(teacher_dir, cache_dir, run)
+    assert losses["calibrated"] < losses["zero"] - 0.01
+    with pytest.raises(ValueError, match="--lora-init calibrated --preset qat: that preset trains no LoRA"):
+        _cfg(teacher_dir, cache_dir, tmp_path, preset="qat", lora_init="calibrated")
+    with pytest.raises(ValueError, match="--lora-init 'svd': choose zero or calibrated"):
+        _cfg(teacher_dir, cache_dir, tmp_path, lora_init="svd")
