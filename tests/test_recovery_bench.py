@@ -130,15 +130,21 @@ def test_tokens_and_stages(first_run):
         json.loads((Path(lora["run_dir"]) / "config.json").read_text())["model"]
 
 
-def test_start_from_a_data_aware_init(recovery, first_run, tiny_args, tmp_path):
-    # --start gptq: the GPTQ row (already computed by the first run: its record and init file are reused) is
-    # every trained row's start; gaps are measured against it. Its own results file: the others stay as they are.
+def _teacher_and_lora_into_own_results(tiny_args, tmp_path) -> tuple[list[str], Path]:
+    """tiny_args running only the teacher and lora-topk-tail rows, into a copy of the first run's results."""
     args = list(tiny_args)
     results = tmp_path / "recovery.json"
     results.write_text(Path(args[args.index("--json") + 1]).read_text())
     args[args.index("--json") + 1] = str(results)
     methods = args.index("--methods")
     args[methods + 1:methods + 1 + len(METHODS)] = ["teacher", "lora-topk-tail"]
+    return args, results
+
+
+def test_start_from_a_data_aware_init(recovery, first_run, tiny_args, tmp_path):
+    # --start gptq: the GPTQ row (already computed by the first run: its record and init file are reused) is
+    # every trained row's start; gaps are measured against it. Its own results file: the others stay as they are.
+    args, _ = _teacher_and_lora_into_own_results(tiny_args, tmp_path)
     args += ["--start", "gptq"]
     by = _by_method(recovery.main(args)["records"])
     first = _by_method(first_run["records"])
@@ -152,12 +158,7 @@ def test_start_from_a_data_aware_init(recovery, first_run, tiny_args, tmp_path):
 def test_calibrated_lora_start_is_its_own_row(recovery, first_run, tiny_args, tmp_path):
     # --lora-init calibrated: a new key and run (the zero-start rows keep theirs), recorded per stage and marked in
     # the table's lr column.
-    args = list(tiny_args)
-    results = tmp_path / "recovery.json"
-    results.write_text(Path(args[args.index("--json") + 1]).read_text())
-    args[args.index("--json") + 1] = str(results)
-    methods = args.index("--methods")
-    args[methods + 1:methods + 1 + len(METHODS)] = ["teacher", "lora-topk-tail"]
+    args, results = _teacher_and_lora_into_own_results(tiny_args, tmp_path)
     out = recovery.main(args + ["--lora-init", "calibrated"])
     calibrated = [r for r in out["records"] if r["method"] == "lora-topk-tail"
                   and r["stages"][0].get("lora_init") == "calibrated"]
