@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start", default="preset", choices=STARTS,
                    help="init of every trained row: the preset's own, or a data-aware one (its PTQ row runs first)")
     p.add_argument("--calib-sequences", type=int, default=128, help="data-aware inits: calibration sequences")
+    p.add_argument("--act-order", action="store_true",
+                   help="gptq / blockwise inits: quantise columns by decreasing activation energy")
     p.add_argument("--blockwise-steps", type=int, default=100, help="ptq-blockwise: optimizer steps per block")
     p.add_argument("--blockwise-lr", type=float, default=1e-3, help="ptq-blockwise: learning rate of the weights")
     p.add_argument("--blockwise-quant-lr", type=float, default=1e-4,
@@ -341,6 +343,8 @@ def data_init_settings(args: argparse.Namespace, preset: str, init: str, caches:
     if init == "blockwise":
         settings.update(blockwise_steps=args.blockwise_steps, blockwise_lr=args.blockwise_lr,
                         blockwise_quant_lr=args.blockwise_quant_lr)
+    if args.act_order and init in ("gptq", "blockwise"):
+        settings["act_order"] = True  # only when set: earlier inits keep their names and rows their keys
     return settings
 
 
@@ -348,7 +352,12 @@ def _quantize_config(args: argparse.Namespace, preset: str, init: str, cache: st
     blockwise = dict(init="gptq", blockwise_steps=args.blockwise_steps, blockwise_lr=args.blockwise_lr,
                      blockwise_quant_lr=args.blockwise_quant_lr) if init == "blockwise" else dict(init=init)
     return QuantizeConfig(model=args.teacher, quant=preset, cache=cache, calib_sequences=args.calib_sequences,
-                          batch_size=args.batch_size, out=str(out), overwrite=True, **blockwise)
+                          batch_size=args.batch_size, out=str(out), overwrite=True,
+                          act_order=args.act_order and init in ("gptq", "blockwise"), **blockwise)
+
+
+def _init_label(args: argparse.Namespace, init: str) -> str:
+    return f"{init} act-order" if args.act_order and init in ("gptq", "blockwise") else init
 
 
 def data_init(args: argparse.Namespace, preset: str, init: str, caches: dict[str, dict]) -> tuple[str, float]:
@@ -448,7 +457,7 @@ def run_data_init(args: argparse.Namespace, row: Row, caches: dict[str, dict], d
     init = DATA_INITS[row.method]
     path, seconds = data_init(args, row.preset, init, caches)
     model = build_student(StudentSpec(args.teacher, row.preset, path), resolve_attn("auto", device))
-    return {"init": init, "tokens": 0, "steps": 0, "wall_s": round(seconds, 2), "quantizer": path,
+    return {"init": _init_label(args, init), "tokens": 0, "steps": 0, "wall_s": round(seconds, 2), "quantizer": path,
             "bits_per_weight": round(bits_per_weight(model), 4), **evaluate_model(model, args, caches, device)}
 
 
@@ -494,7 +503,7 @@ def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], dev
     model = load_student(StudentSpec(args.teacher, row.preset, quantizer), stages[-1]["adapter"] or "",
                          resolve_attn("auto", device))
     cache = caches[TRAIN_CACHE.get(row.method, "topk")]
-    init = args.start if args.start != "preset" else get_preset(row.preset).init
+    init = _init_label(args, args.start) if args.start != "preset" else get_preset(row.preset).init
     online = row.method == "lora-online"
     return {"init": init, "tokens": sum(s["tokens"] for s in stages),
             "steps": sum(s["steps"] for s in stages), "wall_s": round(sum(s["wall_s"] for s in stages), 2),

@@ -168,6 +168,15 @@ def test_calibrated_lora_start_is_its_own_row(recovery, first_run, tiny_args, tm
     assert " cal. |" in results.with_suffix(".md").read_text()
 
 
+def test_act_order_gptq_is_its_own_init(recovery, first_run, tiny_args, tmp_path):
+    args, _ = _teacher_and_lora_into_own_results(tiny_args, tmp_path)
+    by = _by_method(recovery.main(args + ["--start", "gptq", "--act-order"])["records"])
+    gptq, plain = by["ptq-gptq"], _by_method(first_run["records"])["ptq-gptq"]
+    assert gptq["init"] == "gptq act-order" and gptq["key"] != plain["key"] and gptq["quantizer"] != plain["quantizer"]
+    assert json.loads((Path(gptq["quantizer"]).parent / "quantize.json").read_text())["config"]["act_order"] is True
+    assert by["lora-topk-tail"]["start_init"] == "gptq act-order"
+
+
 def test_second_run_skips_every_row(recovery, first_run, tiny_args):
     work = Path(tiny_args[tiny_args.index("--work") + 1])
     before = {p: p.stat().st_mtime_ns for p in work.rglob("*")}
