@@ -8,6 +8,7 @@ train, eval and export configs.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from .config_checks import (MAX_LR, MAX_LR_RATIO, MAX_TEMPERATURE, check_adapter
                             require_positive, require_precision, require_seed)
 from .data import TextDecoding, list_text_files
 from .device import MATMUL_PRECISIONS
-from .files import check_out_apart_from_inputs
+from .files import check_out_apart_from_inputs, read_record
 from .loss import KDLossConfig
 from .quant import get_preset
 from .runs import recorded_quant
@@ -38,6 +39,15 @@ PARALLEL_MODES = ("auto", "processes", "spmd", "fsdp")
 STORAGE_DTYPES = ("fp32", "bf16")
 REPORT_TO = ("none", "tensorboard", "wandb")
 LORA_INITS = ("zero", "calibrated")
+
+
+def check_lora_init(value: str, folder_allowed: bool) -> None:
+    """--lora-init: zero, calibrated, or (train only) a PEFT adapter folder to start from."""
+    if value in LORA_INITS or (folder_allowed and (Path(value) / "adapter_config.json").is_file()):
+        return
+    choices = "zero, calibrated or an adapter folder (with adapter_config.json)" if folder_allowed else \
+        "zero or calibrated"
+    raise ValueError(f"--lora-init {value!r}: choose {choices}")
 
 
 @dataclass
@@ -119,9 +129,9 @@ class TrainConfig(StudentSpec):
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
     lora_init: str = field(default="zero", metadata={
-        "help": "LoRA start: zero (B = 0: the quantised student) or calibrated (each pair the best rank-r "
+        "help": "LoRA start: zero (B = 0: the quantised student), calibrated (each pair the best rank-r "
                 "correction of its layer's quantisation error on --lora-init-sequences of the cache's training "
-                "text; needs --model's full-precision weights)"})
+                "text; needs --model's full-precision weights) or a PEFT adapter folder (same rank and modules)"})
     lora_init_sequences: int = field(default=128, metadata={"help": "--lora-init calibrated: calibration sequences "
                                                                           "(the first of the cache's training split; "
                                                                           "all of them if it holds fewer)"})
@@ -209,9 +219,14 @@ class TrainConfig(StudentSpec):
         if self.storage_dtype != "fp32" and TRAIN_PRESETS.get(self.preset) != ("lora",):
             raise ValueError(f"--storage-dtype {self.storage_dtype} --preset {self.preset}: the latent weights and "
                              "quantiser train, so they stay fp32; use --preset recovery-lora or --storage-dtype fp32")
-        if self.lora_init not in LORA_INITS:
-            raise ValueError(f"--lora-init {self.lora_init!r}: choose {' or '.join(LORA_INITS)}")
+        check_lora_init(self.lora_init, folder_allowed=True)
         require_positive(self, "lora_init_sequences")
+        if self.lora_init not in LORA_INITS:  # an adapter folder: its rank and alpha, before any folder is touched
+            saved = read_record(Path(self.lora_init) / "adapter_config.json") or {}
+            if (saved.get("r"), saved.get("lora_alpha")) != (self.lora_r, self.lora_alpha):
+                raise ValueError(f"--lora-init {self.lora_init}: an adapter of rank {saved.get('r')} and alpha "
+                                 f"{saved.get('lora_alpha')}; this run has --lora-r {self.lora_r} and --lora-alpha "
+                                 f"{self.lora_alpha}; pass the same, or another --lora-init")
         if self.lora_init != "zero" and "lora" not in TRAIN_PRESETS.get(self.preset, ()):
             raise ValueError(f"--lora-init {self.lora_init} --preset {self.preset}: that preset trains no LoRA; "
                              "use --lora-init zero or a LoRA preset")
@@ -389,8 +404,7 @@ class RecoverConfig(StudentSpec):
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         if self.qat not in QAT_STAGES:
             raise ValueError(f"--qat {self.qat!r}: choose one of {', '.join(QAT_STAGES)}")
-        if self.lora_init not in LORA_INITS:
-            raise ValueError(f"--lora-init {self.lora_init!r}: choose {' or '.join(LORA_INITS)}")
+        check_lora_init(self.lora_init, folder_allowed=False)
         require_positive(self, "calib_sequences", "qat_steps", "lora_r", "batch_size", "accumulation_steps")
         require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
         if isinstance(self.lr, (int, float)):  # RecoverConfig(lr=1e-3) from Python: one rate, no probe

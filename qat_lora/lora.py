@@ -160,11 +160,40 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
     return {"layers": removed, "removed": share, "seconds": time.perf_counter() - start}
 
 
-def calibrated_start_(model: nn.Module, model_path: str, cache_dir: str, sequences: int, batch_size: int,
-                      log: Callable[[str], None] = print) -> dict:
-    """`calibrated_lora_init_` on the first `sequences` training sequences of a KD cache (all, if it holds
-    fewer), against the full-precision weights of `model_path`."""
-    from .cache import KDCache
+def lora_start_(model: nn.Module, lora_init: str, model_path: str, cache_dir: str, sequences: int, batch_size: int,
+                log: Callable[[str], None] = print) -> dict:
+    """Set a fresh PEFT model's adapters as `lora_init` says: "calibrated" (`calibrated_lora_init_` on the first
+    `sequences` training sequences of a KD cache, all if it holds fewer, against `model_path`'s full-precision
+    weights) or a saved adapter folder (its A and B copied in). "zero" leaves them as PEFT made them.
 
-    batches = calibration_batches(cache_dir, min(sequences, KDCache(cache_dir).num_sequences("train")), batch_size)
-    return calibrated_lora_init_(model, models.load_causal_lm(model_path), batches, log=log)
+    Raises:
+        ValueError: the folder's adapter covers other modules or shapes (TrainConfig checks rank and alpha).
+    """
+    if lora_init == "zero":
+        return {}
+    if lora_init == "calibrated":
+        from .cache import KDCache
+
+        batches = calibration_batches(cache_dir, min(sequences, KDCache(cache_dir).num_sequences("train")),
+                                      batch_size)
+        return calibrated_lora_init_(model, models.load_causal_lm(model_path), batches, log=log)
+    _copy_adapter_(model, Path(lora_init))
+    log(f"LoRA starts from the adapters in {lora_init}")
+    return {"from": lora_init}
+
+
+@torch.no_grad()
+def _copy_adapter_(model: nn.Module, folder: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    try:
+        result = set_peft_model_state_dict(model, state)
+    except RuntimeError as e:  # shapes: an adapter made for another model
+        raise ValueError(f"--lora-init {folder}: made for another model ({str(e).splitlines()[-1].strip()})") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"--lora-init {folder}: its adapters cover other modules (missing "
+                         f"{(missing or ['none'])[0]}, unexpected {(result.unexpected_keys or ['none'])[0]}); pass "
+                         "an adapter made for this model and preset")

@@ -43,7 +43,7 @@ from .config import TrainConfig, field_defaults
 from .distributed import Backend, init_backend
 from .files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owner_stamp, read_record,
                     require_folder)
-from .lora import calibrated_start_
+from .lora import lora_start_
 from .loss import KDLossConfig, forward_loss
 from .metrics import kd_metrics
 from .optim import build_optimizer, lr_factor
@@ -171,10 +171,9 @@ def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Bac
     backend.rendezvous("out-ready")
     dev.seed_everything(cfg.seed)  # same seed on every rank: identical initial adapters everywhere
     model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha)
-    if cfg.lora_init == "calibrated" and resume_from is None:  # a resumed run loads its adapters instead
-        # Still on the host, before the model moves: every rank computes the same deterministic start.
-        calibrated_start_(model, cfg.model, cfg.cache, cfg.lora_init_sequences, cfg.batch_size,
-                          log if backend.is_master else lambda _: None)
+    if resume_from is None:  # a resumed run loads its adapters instead; on the host, the same on every rank
+        lora_start_(model, cfg.lora_init, cfg.model, cfg.cache, cfg.lora_init_sequences, cfg.batch_size,
+                    log if backend.is_master else lambda _: None)
     model = backend.shard_model_(set_storage_dtype_(model, cfg.storage_dtype), device)  # fsdp: split as it moves
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing_(model, device)

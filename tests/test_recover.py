@@ -172,14 +172,23 @@ def test_bad_flags_are_one_line_errors(flag, value, message, teacher_dir, cache_
     assert not (tmp_path / "r").exists()
 
 
-def test_calibrated_lora_start_reaches_the_lora_stage(teacher_dir, cache_dir, tmp_path):
+def test_calibrated_lora_start_is_computed_once_for_the_probes_and_the_stage(teacher_dir, cache_dir, tmp_path,
+                                                                               monkeypatch):
+    import qat_lora.lora as lora
+
+    calls = []
+    original = lora.calibrated_lora_init_
+    monkeypatch.setattr(lora, "calibrated_lora_init_", lambda *a, **k: calls.append(1) or original(*a, **k))
     out = tmp_path / "run"
-    summary = recover(_cfg(teacher_dir, cache_dir, out, qat="none", lora_steps=4, lr=[2e-3, 1e-3],
-                           lora_init="calibrated"), **QUIET)
+    cfg = _cfg(teacher_dir, cache_dir, out, qat="none", lora_steps=4, lr=[2e-3, 1e-3], lora_init="calibrated")
+    summary = recover(cfg, **QUIET)
+    assert len(calls) == 1 and (out / "lora-init" / "adapter_model.safetensors").exists()
     for stage in ("lora", "probe/lr-0.002", "probe/lr-0.001"):
-        config = json.loads((out / stage / "config.json").read_text())
-        assert config["lora_init"] == "calibrated" and config["lora_init_sequences"] == 16
-    assert _soft_ce(teacher_dir, cache_dir, summary["quantizer"], summary["adapter"]) < \
+        assert json.loads((out / stage / "config.json").read_text())["lora_init"] == str(out / "lora-init")
+    start = _soft_ce(teacher_dir, cache_dir, summary["quantizer"], str(out / "lora-init"))
+    assert _soft_ce(teacher_dir, cache_dir, summary["quantizer"], summary["adapter"]) < start < \
         _soft_ce(teacher_dir, cache_dir, summary["quantizer"])
+    recover(cfg, **QUIET)  # a rerun reuses the start
+    assert len(calls) == 1
     with pytest.raises(ValueError, match="--lora-init 'pissa': choose zero or calibrated"):
         _cfg(teacher_dir, cache_dir, out, lora_init="pissa")

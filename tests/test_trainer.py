@@ -398,5 +398,22 @@ def test_calibrated_lora_init_starts_closer_to_the_teacher_than_zero(teacher_dir
     assert losses["calibrated"] < losses["zero"] - 0.01
     with pytest.raises(ValueError, match="--lora-init calibrated --preset qat: that preset trains no LoRA"):
         _cfg(teacher_dir, cache_dir, tmp_path, preset="qat", lora_init="calibrated")
-    with pytest.raises(ValueError, match="--lora-init 'svd': choose zero or calibrated"):
+    with pytest.raises(ValueError, match="--lora-init 'svd': choose zero, calibrated or an adapter folder"):
         _cfg(teacher_dir, cache_dir, tmp_path, lora_init="svd")
+
+
+def test_lora_can_start_from_a_saved_adapter_folder(teacher_dir, cache_dir, tmp_path):
+    from conftest import save_random_adapter
+
+    start = tmp_path / "start"
+    save_random_adapter(teacher_dir, "w2g32", start, r=4, alpha=8.0)
+    run = tmp_path / "run"
+    train(_cfg(teacher_dir, cache_dir, run, max_steps=1, lr=1e-9, warmup_steps=0, lora_alpha=8.0,
+               lora_init=str(start)), **QUIET)
+    saved = load_file(str(start / "adapter_model.safetensors"))
+    begun = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert saved.keys() == begun.keys() and all(torch.allclose(saved[k], begun[k], atol=1e-6) for k in saved)
+    assert any(saved[k].abs().sum() > 0 for k in saved if "lora_B" in k)
+    with pytest.raises(ValueError, match=r"--lora-init .*start: an adapter of rank 4 and alpha 8.0; this run has "
+                                         r"--lora-r 8 and --lora-alpha 16.0"):
+        _cfg(teacher_dir, cache_dir, tmp_path / "other", max_steps=1, lora_r=8, lora_alpha=16.0, lora_init=str(start))
