@@ -59,7 +59,7 @@ def _train_config(cfg: DemoConfig, teacher: str, cache_dir: Path, quantizer: str
     run = TrainConfig(model=teacher, cache=str(cache_dir), quant=cfg.quant, quantizer=quantizer, out="",
                       max_steps=cfg.max_steps, batch_size=cfg.batch_size, lr=cfg.lr, lora_r=cfg.lora_r,
                       lora_alpha=2.0 * cfg.lora_r, warmup_steps=max(1, cfg.max_steps // 20), device=cfg.device,
-                      resume="auto")
+                      lora_init=cfg.lora_init, lora_init_sequences=cfg.calib_sequences, resume="auto")
     key = hashlib.sha256(json.dumps(asdict(run), sort_keys=True).encode()).hexdigest()[:8]
     return replace(run, out=str(work / f"run-{cfg.quant}-{cfg.init}-{key}"))
 
