@@ -185,9 +185,14 @@ def lora_start_(model: nn.Module, lora_init: str, model_path: str, cache_dir: st
 @torch.no_grad()
 def _copy_adapter_(model: nn.Module, folder: Path) -> None:
     from peft import set_peft_model_state_dict
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    state = load_file(str(folder / "adapter_model.safetensors"))
+    try:
+        state = load_file(str(folder / "adapter_model.safetensors"))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"--lora-init {folder}: its adapter_model.safetensors cannot be read ({e}); pass an intact "
+                         "adapter folder") from None
     try:
         result = set_peft_model_state_dict(model, state)
     except RuntimeError as e:  # shapes: an adapter made for another model

@@ -417,3 +417,7 @@ def test_lora_can_start_from_a_saved_adapter_folder(teacher_dir, cache_dir, tmp_
     with pytest.raises(ValueError, match=r"--lora-init .*start: an adapter of rank 4 and alpha 8.0; this run has "
                                          r"--lora-r 8 and --lora-alpha 16.0"):
         _cfg(teacher_dir, cache_dir, tmp_path / "other", max_steps=1, lora_r=8, lora_alpha=16.0, lora_init=str(start))
+    (start / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"--lora-init .*start: its adapter_model.safetensors cannot be read"):
+        train(_cfg(teacher_dir, cache_dir, tmp_path / "broken", max_steps=1, lora_alpha=8.0, lora_init=str(start)),
+              **QUIET)
