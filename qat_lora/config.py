@@ -8,8 +8,8 @@ train, eval and export configs.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 from . import models
