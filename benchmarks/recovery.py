@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -702,9 +703,30 @@ def plot_gaps(plt, records: list[dict], path: Path) -> Path:
 
 
 def text_family(names: list[str] | None) -> str:
-    """The training text a row used, without a size suffix: runs/selfgen/prefix (48 k tokens) and prefix-320k are
-    the same generator at two budgets, so their rows belong to one line."""
-    return ", ".join(re.sub(r"-\d+k$", "", name) for name in names) if names else "default text"
+    """The training text a row used, without a size suffix: runs/selfgen/prefix (48 k tokens), prefix-320k and
+    prefix-1m are the same generator at three budgets, so their rows belong to one line."""
+    return ", ".join(re.sub(r"-\d+[km]$", "", name) for name in names) if names else "default text"
+
+
+EXTRAPOLATE_TOKENS = 5_000_000  # issue 6's goal budget: where each measured curve is heading
+
+
+def extrapolate_ppl(points: list[tuple[int, float]], teacher: float, tokens: int = EXTRAPOLATE_TOKENS
+                    ) -> float | None:
+    """The ppl a series reaches at `tokens` if its gap to the teacher keeps falling as a power of the tokens
+    (a straight line through log(ppl - teacher) against log(tokens), least squares over its points). None with
+    fewer than three budgets, a point at or below the teacher, or a gap that does not fall: two points fit any
+    line, and a flat or rising curve has no power law to follow."""
+    if len(points) < 3 or any(p <= teacher for _, p in points):
+        return None
+    xs = [math.log(t) for t, _ in points]
+    ys = [math.log(p - teacher) for _, p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    if slope >= 0:
+        return None
+    return teacher + math.exp(my + slope * (math.log(tokens) - mx))
 
 
 def ppl_series(records: list[dict], preset: str) -> dict[str, list[tuple[int, float]]]:
@@ -739,6 +761,13 @@ def plot_ppl_tokens(plt, records: list[dict], path: Path) -> Path:
         for i, (label, points) in enumerate(ppl_series(records, preset).items()):
             ax.plot([t for t, _ in points], [p for _, p in points], label=label, color=colours[i % len(colours)],
                     marker=markers[i % len(markers)], linewidth=1.2)
+            ahead = extrapolate_ppl(points, teacher) if teacher else None
+            if ahead is not None and points[-1][0] < EXTRAPOLATE_TOKENS:  # dotted: a fit, not a measurement
+                ax.plot([points[-1][0], EXTRAPOLATE_TOKENS], [points[-1][1], ahead], linestyle=":",
+                        color=colours[i % len(colours)], linewidth=1.0)
+                ax.annotate(f"{ahead:.1f} at {EXTRAPOLATE_TOKENS / 1e6:g} M (power-law fit)",
+                            (EXTRAPOLATE_TOKENS, ahead), fontsize=7, va="bottom", ha="right",
+                            color=colours[i % len(colours)])
         if teacher:
             ax.axhline(teacher, color="black", linewidth=0.8)
             ax.annotate(f"teacher {teacher:.2f}", (1.0, teacher), xycoords=("axes fraction", "data"), fontsize=7,

@@ -357,6 +357,16 @@ class QuantizeConfig(StudentSpec):
 
 QAT_STAGES = ("none", "weight-qat", "qat")
 
+# recover's default --lr probe at LoRA rank 16. With alpha = 2 r an adapter's update grows with its rank, and the
+# best measured rates fell as 16 / r: SmolLM2 w3g64 2e-3 at r16 -> 5e-4 at r64 (cpu-medium), Gemma 3 w3g64 5e-4 at
+# r16 -> 1.25e-4 at r64 (cpu-small, both from the calibrated start; docs/RESULTS.md).
+LR_PROBE_AT_RANK_16 = (5e-4, 1e-3, 2e-3)
+
+
+def lora_probe_rates(lora_r: int) -> list[float]:
+    """recover's default --lr: LR_PROBE_AT_RANK_16 times 16 / lora_r (rounded to 3 significant digits)."""
+    return [float(f"{lr * 16 / lora_r:.3g}") for lr in LR_PROBE_AT_RANK_16]
+
 
 @dataclass
 class RecoverConfig(StudentSpec):
@@ -383,10 +393,12 @@ class RecoverConfig(StudentSpec):
                                                            "optimizer steps (0 = no LoRA: the result is on the grid)"})
     # Several rates = a probe: each trains --lr-probe-steps steps from the same init and the lowest held-out KD
     # loss of the cache wins (never the eval text). SmolLM2's 2e-3 lost to its own init on Gemma 3 at w4g64, where
-    # 5e-4 won: one fixed rate does not transfer between models (docs/RESULTS.md).
-    lr: list[float] = field(default_factory=lambda: [5e-4, 1e-3, 2e-3], metadata={
+    # 5e-4 won: one fixed rate does not transfer between models (docs/RESULTS.md). Empty = LR_PROBE_AT_RANK_16
+    # scaled to --lora-r (lora_probe_rates).
+    lr: list[float] = field(default_factory=list, metadata={
         "help": "stage 3: peak learning rate of LoRA; several = a short probe of each on the cache's held-out split "
-                "chooses one (one value: no probe)"})
+                "chooses one (one value: no probe) (default: 5e-4 1e-3 2e-3 times 16 / --lora-r, e.g. 1.25e-4 "
+                "2.5e-4 5e-4 at rank 64)"})
     lr_probe_steps: int = field(default=0, metadata={"help": "stage 3: optimizer steps of each --lr probe run "
                                                              "(0 = a fifth of --lora-steps, 4 to 20)"})
     lora_r: int = field(default=16, metadata={"help": "stage 3: LoRA rank (alpha = 2 r)"})
@@ -411,8 +423,8 @@ class RecoverConfig(StudentSpec):
         require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
         if isinstance(self.lr, (int, float)):  # RecoverConfig(lr=1e-3) from Python: one rate, no probe
             self.lr = [float(self.lr)]
-        if not self.lr:
-            raise ValueError("--lr: give at least one learning rate")
+        if not self.lr:  # resolved here, so recover.json and a rerun see the rates that were probed
+            self.lr = lora_probe_rates(self.lora_r)
         if len(set(self.lr)) != len(self.lr):
             raise ValueError(f"--lr {' '.join(f'{x:g}' for x in self.lr)}: a rate is repeated; list each once")
         rates = ("qat_lr", "weight_lr", "blockwise_lr", "blockwise_quant_lr")

@@ -168,9 +168,10 @@ def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
             not isinstance(read_record(report).get("config"), dict):
         raise ValueError(f"--out {out}: holds a {REPORT_FILE} that generate-data did not write; pass an empty or new "
                          "folder")
-    # The budget may grow: shard i does not depend on it, so a larger --tokens continues the corpus.
+    # The budget may grow: shard i does not depend on it, so a larger --tokens continues the corpus. Nor does the
+    # folder's own path: a copied or moved corpus continues where it is.
     saved = {**field_defaults(GenerateDataConfig), **read_record(report)["config"]}  # older reports lack later flags
-    if {**saved, "tokens": cfg.tokens} != asdict(cfg):
+    if {**saved, "tokens": cfg.tokens, "out": cfg.out} != asdict(cfg):
         raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder")
 
 

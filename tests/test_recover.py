@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qat_lora.cache import KDCache
-from qat_lora.cli import main
+from qat_lora.cli import build_parser, config_from_args, main
 from qat_lora.config import RecoverConfig, StudentSpec
 from qat_lora.metrics import kd_metrics
 from qat_lora.recover import recover
@@ -151,6 +151,19 @@ def test_one_lr_on_the_command_line_skips_the_probe(teacher_dir, cache_dir, tmp_
     assert main(argv) == 0
     assert not (out / "probe").exists() and json.loads((out / "lora" / "config.json").read_text())["lr"] == 1e-3
     assert json.loads((out / "recover.json").read_text())["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("lora_r, rates", [(16, [5e-4, 1e-3, 2e-3]), (64, [1.25e-4, 2.5e-4, 5e-4]),
+                                            (8, [1e-3, 2e-3, 4e-3]), (48, [1.67e-4, 3.33e-4, 6.67e-4])])
+def test_default_lr_probe_scales_with_16_over_the_rank(lora_r, rates, tmp_path):
+    """The measured best rates fell as 16 / r (SmolLM2 2e-3 -> 5e-4, Gemma 3 5e-4 -> 1.25e-4 from r16 to r64)."""
+
+    args = build_parser().parse_args(["recover", "--model", "m", "--quant", "w3g64", "--lora-r", str(lora_r)])
+    assert config_from_args(RecoverConfig, args).lr == rates
+    assert RecoverConfig(model="m", quant="w3g64", lora_r=lora_r).lr == rates
+    explicit = build_parser().parse_args(["recover", "--model", "m", "--quant", "w3g64", "--lora-r", str(lora_r),
+                                          "--lr", "3e-3", "1e-2"])
+    assert config_from_args(RecoverConfig, explicit).lr == [3e-3, 1e-2]  # what the user lists is never rescaled
 
 
 @pytest.mark.parametrize("flag, value, message", [

@@ -219,6 +219,29 @@ def test_ppl_series_joins_budgets_of_one_method(recovery):
         "lora-topk-tail r16 lr 0.001 from gptq (prefix)": [(296960, 18.9)]}
     assert recovery.text_family(["prefix-320k", "general"]) == "prefix, general"
     assert recovery.text_family(["run-2k-notes"]) == "run-2k-notes"
+    assert recovery.text_family(["prefix-1m"]) == "prefix"
+
+
+def test_extrapolation_follows_a_power_law_in_the_gap_to_the_teacher(recovery, tmp_path):
+    teacher = 13.5
+    law = [(t, teacher + 40.0 * (t / 40960) ** -0.3) for t in (40960, 296960, 1_000_448)]
+    assert recovery.extrapolate_ppl(law, teacher, 5_000_000) == pytest.approx(
+        teacher + 40.0 * (5_000_000 / 40960) ** -0.3, rel=1e-9)  # an exact power law is continued exactly
+    noisy = [(40960, 20.15), (296960, 16.68), (1_000_448, 15.9)]
+    ahead = recovery.extrapolate_ppl(noisy, teacher, 5_000_000)
+    assert teacher < ahead < 15.9  # still falling, never below the teacher
+    assert recovery.extrapolate_ppl(noisy[:2], teacher) is None  # two points fit any line
+    assert recovery.extrapolate_ppl([(1, 20.0), (2, 20.0), (4, 21.0)], teacher) is None  # not falling
+    assert recovery.extrapolate_ppl([(1, 20.0), (2, 13.0), (4, 12.0)], teacher) is None  # below the teacher
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [{"preset": "", "method": "teacher", "tokens": 0, "ppl": teacher}] + [
+        {"preset": "w3g64", "method": "lora-topk-tail", "lora_r": 64, "tokens": t, "ppl": p, "start_init": "gptq",
+         "train_text": ["prefix-1m"], "stages": [{"lr": 5e-4}]} for t, p in noisy]
+    path = recovery.plot_ppl_tokens(plt, records, tmp_path / "ppl_tokens.png")
+    assert path.stat().st_size > 0
 
 
 @pytest.mark.parametrize("flag, value, message", [

@@ -85,6 +85,11 @@ def test_a_larger_budget_continues_the_corpus(teacher_dir, corpus_dir, tmp_path)
     assert large["generated_tokens"] >= 600 > small["generated_tokens"] and large["shards"] > small["shards"]
     assert all((out / name).read_text() == text for name, text in first.items())  # extended, not redone
     assert json.loads((out / "generate.json").read_text())["config"]["tokens"] == 600
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)  # a copied corpus continues in its new folder
+    larger = generate_data(_cfg(teacher_dir, corpus_dir, moved, tokens=900), **QUIET)
+    assert larger["generated_tokens"] >= 900 and all((moved / name).read_text() == text for name, text in first.items())
+    assert json.loads((moved / "generate.json").read_text())["config"]["out"] == str(moved)
 
 
 def test_other_settings_in_the_same_folder_are_refused(teacher_dir, corpus_dir, tmp_path):
