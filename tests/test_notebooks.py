@@ -94,6 +94,7 @@ def test_01_quickstart_runs_the_chain_on_the_cpu(tmp_path, tiny):
     assert (work / "init-w3g64-gptq" / "quantizer.safetensors").exists()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["device"] == "cpu"
+    assert json.loads((run / "config.json").read_text())["lr"] == 8e-3  # LR = 0: SmolLM2's 2e-3 at r16, x 16 / 4
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
     assert [e["step"] for e in evals] == [3, 6]  # the eval curve the plot cell draws
 
