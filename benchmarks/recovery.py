@@ -52,7 +52,8 @@ GPU, full budget (~5 M training tokens per run, every preset, method and rank):
 Resumable: rerun the same command. Rows already in --json (same key: budget, preset, method, rank and a digest of
 every setting that changes the numbers) are skipped; the JSON is rewritten atomically after each row; caches are
 built once (an interrupted build continues); each training run has its own folder under --work and continues from
-its last checkpoint (TrainConfig.resume="auto").
+its last checkpoint (TrainConfig.resume="auto"). Keys and cache folders name --train-text by its path; its
+content is checked against the cache and the recorded rows, so a text rewritten in place is refused, not reused.
 """
 from __future__ import annotations
 
@@ -262,9 +263,16 @@ def cache_config(args: argparse.Namespace, encoding: str, num_samples: int = 0, 
 def ensure_cache(cfg: CacheBuildConfig) -> dict:
     """Build the cache unless its manifest exists (resume=True: a killed build continues after its last
     shard); returns inspect_cache's summary plus the build time."""
+    corpus = data.corpus_fingerprint(data.list_text_files(cfg.data))
     if not (Path(cfg.out) / MANIFEST).exists():
         build_cache(cfg)
-    return {**inspect_cache(cfg.out), "build_s": KDCache(cfg.out).manifest.get("build_seconds")}
+    manifest = KDCache(cfg.out).manifest
+    # The folder's name digests the text's path, not its content: a text regenerated or edited in place would
+    # otherwise train every later row on the old cache.
+    if manifest.get("corpus_sha256", corpus) != corpus:
+        raise ValueError(f"--train-text {' '.join(cfg.data)}: changed since {cfg.out} was built from it; move that "
+                         "cache away to rebuild it, or keep the new text under a new path")
+    return {**inspect_cache(cfg.out), "build_s": manifest.get("build_seconds"), "corpus_sha256": corpus}
 
 
 def matched_sampled_n(args: argparse.Namespace) -> int:
@@ -556,7 +564,8 @@ def run_row(args: argparse.Namespace, row: Row, key: str, caches: dict[str, dict
         result = run_trained(args, row, caches, device)
     record = {"key": key, "budget": args.budget_name, "preset": row.preset, "method": row.method,
               "lora_r": row.lora_r, "device": device_label(device), "eval_seq_len": args.eval_seq_len,
-              "cache_bytes_per_token": None, "run_dir": None, "train_text": _train_text_label(args), **result,
+              "cache_bytes_per_token": None, "run_dir": None, "train_text": _train_text_label(args),
+              "train_text_sha256": caches["topk"]["corpus_sha256"], **result,
               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
     teacher = record if row.preset is None else done[row_key(args, Row(None, "teacher"), caches)]
     ptq = None if row.preset is None else (
@@ -829,6 +838,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         # Rows another process sharing --json finished meanwhile (e.g. while this one built its cache).
         done.update({r["key"]: r for r in load_results(json_path)["records"]})
         if key in done:
+            # Keys name the text by its path; a record from another content of it is refused, not reused.
+            # (Records from before the field have no content digest to compare.)
+            if done[key].get("train_text_sha256", caches["topk"]["corpus_sha256"]) != caches["topk"]["corpus_sha256"]:
+                parser.error(f"--train-text {' '.join(args.train_text)}: {row.label} in {json_path} was measured on "
+                             "other content at this path; keep the new text under a new path, or pass another --json")
             print(f"{row.label}: already in {json_path} (key {key}); skipped")
             continue
         print(f"{row.label}: running")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import load_benchmark, synthetic_text
+from qat_lora import data
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", "gap_recovered_nats", "nll_gap_nats",
@@ -326,3 +327,30 @@ def test_rows_written_by_another_process_meanwhile_are_kept(recovery, first_run,
     keys = [r["key"] for r in recovery.load_results(json_path)["records"]]
     assert keys[0] == "other/0" and keys[2] == "other/2" and len(keys) == 4
     assert {recovery.load_results(json_path)["records"][i]["method"] for i in (1, 3)} == {"teacher", "ptq-rtn"}
+
+
+def test_a_training_text_changed_in_place_is_refused_not_reused(recovery, tiny_args, corpus_dir, tmp_path):
+    """Caches and rows are named by the text's path: new content at that path must not train on the old cache or
+    pass for the old rows (it once did: a regenerated teacher text reused the lost text's GPTQ row)."""
+    import shutil
+
+    text = tmp_path / "text"
+    shutil.copytree(corpus_dir, text)
+    args = list(tiny_args)
+    for flag, value in (("--train-text", str(text)), ("--work", str(tmp_path / "work")),
+                        ("--json", str(tmp_path / "results.json"))):
+        args[args.index(flag) + 1] = value
+    methods = args.index("--methods")
+    args[methods + 1:methods + 1 + len(METHODS)] = ["teacher"]
+    first = recovery.main(args)["records"][0]
+    assert first["train_text_sha256"] == data.corpus_fingerprint(data.list_text_files([str(text)]))
+    assert recovery.main(args)["records"] == [first]  # the same text: the row is reused
+    victim = sorted(text.iterdir())[0]
+    victim.write_text(victim.read_text() + "\nOne more line, written after the cache was built.\n")
+    with pytest.raises(ValueError, match=r"--train-text .*: changed since .*caches/topk-.* was built from it"):
+        recovery.main(args)
+    cache, = (tmp_path / "work" / "caches").iterdir()
+    shutil.rmtree(cache)  # the cache rebuilt from the new text: the recorded row is still the old text's
+    with pytest.raises(SystemExit):
+        recovery.main(args)
+    assert json.loads((tmp_path / "results.json").read_text())["records"] == [first]  # nothing overwritten
