@@ -80,7 +80,7 @@ from qat_lora.cache_build import build_cache
 from qat_lora.config import LORA_INITS, TRAIN_PRESETS, QuantizeConfig, StudentSpec, TrainConfig
 from qat_lora.config_data import CacheBuildConfig
 from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
-from qat_lora.export import bits_per_weight
+from qat_lora.export import adapter_bits_per_weight, bits_per_weight
 from qat_lora.files import atomic_write_json
 from qat_lora.metrics import kd_metrics, perplexity
 from qat_lora.ptq import quantize
@@ -521,7 +521,10 @@ def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], dev
             "cache_encoding": {"name": "online"} if online else cache["encoding"],
             "cache_bytes_per_token": TOKEN_BYTES if online else cache["bytes_per_token"],
             "topk_cache_bytes_per_token": caches["topk"]["bytes_per_token"],  # what sampled targets are matched to
-            "cache_build_s": None if online else cache["build_s"], **evaluate_model(model, args, caches, device)}
+            "cache_build_s": None if online else cache["build_s"], "bits_per_weight": round(bits_per_weight(model), 4),
+            # an unmerged adapter ships beside the base: the bits it adds (r64 on SmolLM2: ~2.9)
+            "adapter_bits_per_weight": round(adapter_bits_per_weight(model), 4),
+            **evaluate_model(model, args, caches, device)}
 
 
 def gap_fields(record: dict, teacher: dict, ptq: dict | None) -> dict:

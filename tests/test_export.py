@@ -15,7 +15,7 @@ from qat_lora.cli import main
 from qat_lora.config import StudentSpec
 from qat_lora.config_use import ExportConfig
 from qat_lora.metrics import kd_metrics
-from qat_lora.export import (bits_per_weight, load_packed, pack_codes, read_packed_header,
+from qat_lora.export import (adapter_bits_per_weight, bits_per_weight, load_packed, pack_codes, read_packed_header,
                              save_packed, unpack_codes)
 from qat_lora.lora import add_recovery_lora_, load_recovery_lora
 from qat_lora.models import load_causal_lm
@@ -70,6 +70,12 @@ def test_bits_per_weight_counts_scales_and_zeros(teacher_dir):
     lut = quantize_(load_causal_lm(teacher_dir), "lut2g32")
     weights = sum(m.weight.numel() for m in _layers(lut).values())
     assert bits_per_weight(lut) == pytest.approx(2 + 16 / 32 + 16 * 4 * 14 / weights)  # + one 4-entry LUT per layer
+    assert adapter_bits_per_weight(w2g32) == 0
+    layers = _layers(w2g32).values()
+    peft = add_recovery_lora_(w2g32, r=4, alpha=8.0)
+    per_layer = sum(4 * (m.in_features + m.out_features) for m in layers)  # A: r x n, B: m x r
+    assert adapter_bits_per_weight(peft) == pytest.approx(16 * per_layer / sum(m.weight.numel() for m in layers))
+    assert bits_per_weight(peft) == pytest.approx(2 + 2 * 16 / 32)  # the base's own figure is unchanged
 
 
 DENSE_CHECK = """

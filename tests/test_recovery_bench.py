@@ -81,6 +81,9 @@ def test_one_record_per_row_with_every_field(first_run, tiny_args):
               for m in ("lora-topk-tail", "lora-topk-tail-ce", "ce-only")}
     assert alphas == {"lora-topk-tail": 1.0, "lora-topk-tail-ce": 0.5, "ce-only": 0.0}
     assert len({by[m]["ppl"] for m in alphas}) == 3  # three different objectives, three different students
+    # what an unmerged adapter adds to the low-bit base: rank 4 on the tiny model's linears; qat has none
+    assert by["qat"]["adapter_bits_per_weight"] == 0 < by["lora-topk-tail"]["adapter_bits_per_weight"]
+    assert by["lora-topk-tail"]["bits_per_weight"] == by["ptq-rtn"]["bits_per_weight"]
 
 
 def test_gaps_follow_from_the_perplexities(first_run):
