@@ -11,6 +11,7 @@ from . import device as dev, models
 from .cache import KDCache
 from .config import EvalConfig
 from .config_checks import EVAL_KIND
+from .export import adapter_bits_per_weight, bits_per_weight
 from .files import atomic_write_json, owner_stamp
 from .metrics import kd_metrics, perplexity
 from .student import load_student, resolve_attn
@@ -28,6 +29,9 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     model = dev.move_model_(load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)), device)
     result: dict = {"model": cfg.model, "quant": cfg.quant or None, "adapter": cfg.adapter or None,
                     "quantizer": cfg.quantizer or None}
+    if cfg.quant:  # what the student weighs: the base's bits, and what an unmerged adapter adds to them
+        result.update(bits_per_weight=round(bits_per_weight(model), 4),
+                      adapter_bits_per_weight=round(adapter_bits_per_weight(model), 4))
     if cfg.text:
         result.update(perplexity(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens or None,
                                  cfg.batch_size, device, cfg.text_decoding(), progress=True, amp_dtype=amp_dtype))
