@@ -101,6 +101,14 @@ class GenerateConfig(StudentSpec):
         super().__post_init__()
 
 
+def default_lora_lr(teacher: str, lora_r: int) -> float:
+    """The demo's and the notebooks' LoRA rate for a fetch-assets teacher at rank `lora_r`: its measured rank-16
+    rate (TeacherAsset.lora_lr) times 16 / r."""
+    from .teachers import teacher_asset  # imported here, as in DemoConfig: no import cycle through models
+
+    return rate_at_rank(teacher_asset(teacher).lora_lr, lora_r)
+
+
 @dataclass
 class DemoConfig:
     assets_dir: str = field(default="", metadata={"help": "asset folder (default: ~/.cache/qat-lora/assets)"})
@@ -137,7 +145,7 @@ class DemoConfig:
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
         if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used
-            self.lr = rate_at_rank(teacher_asset(self.teacher).lora_lr, self.lora_r)
+            self.lr = default_lora_lr(self.teacher, self.lora_r)
         require_positive(self, "lr", finite=True)
         require_at_most(self, lr=MAX_LR)
         require_device(self.device)

@@ -105,14 +105,17 @@ def layer_bits(layer: FakeQuantLinear) -> int:
 def bits_per_weight(model: nn.Module) -> float:
     """Mean storage bits per quantised weight, scales, zeros, codebooks and low-rank factors included."""
     layers = _quantised_layers(model).values()
-    return sum(layer_bits(m) for m in layers) / max(1, sum(m.weight.numel() for m in layers))
+    return sum(layer_bits(m) for m in layers) / _quantised_weights(model)
+
+
+def _quantised_weights(model: nn.Module) -> int:
+    return max(1, sum(m.weight.numel() for m in _quantised_layers(model).values()))
 
 
 def adapter_bits_per_weight(model: nn.Module) -> float:
     """What an unmerged LoRA adapter adds to bits_per_weight when it ships beside the low-bit base: its fp16
     entries per quantised weight (0 without one). Rank r on an m x n layer costs 16 r (m + n) / (m n) bits."""
-    weights = sum(m.weight.numel() for m in _quantised_layers(model).values())
-    return 16 * sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / max(1, weights)
+    return 16 * sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / _quantised_weights(model)
 
 
 def _other_tensors(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
