@@ -487,8 +487,10 @@ def run_ptq(args: argparse.Namespace, row: Row, caches: dict[str, dict], device:
 def train_stage(args: argparse.Namespace, row: Row, fields: dict) -> dict:
     """Train (or resume, or just read back a finished) stage; its summary as stored in the record."""
     out = run_dir(args, row, fields)
+    # A checkpoint every quarter of the run, at most 100 steps apart: a long row killed at a session's end
+    # loses minutes, not a quarter of its hours.
     summary = train(TrainConfig(**fields, out=out, device=args.device, resume="auto",
-                                save_steps=max(1, args.max_steps // 4),
+                                save_steps=max(1, min(args.max_steps // 4, 100)),
                                 keep_checkpoints=1, log_steps=max(1, args.max_steps // 50)))
     return {"run_dir": out, "train_preset": fields.get("preset", "recovery-lora"), "lr": fields["lr"],
             **({"lora_init": fields["lora_init"]} if "lora_init" in fields else {}),
