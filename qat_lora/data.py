@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .files import sha256_file
+from .files import owned_by, read_record, sha256_file
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 SPLITS = ("train", "heldout")
@@ -62,11 +62,25 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists())
 
 
+GENERATED_REPORT = "generate.json"  # `qat-lora generate-data`'s report: "complete": false until its last shard
+
+
+def _unfinished_corpus(folder: Path) -> Path | None:
+    """The report of a generate-data corpus in `folder` that is still being written (or was stopped), if any."""
+    for report in sorted(folder.rglob(GENERATED_REPORT)):
+        if owned_by(report, "generate-data", legacy_keys=("config", "complete")) and \
+                read_record(report).get("complete") is False:
+            return report
+    return None
+
+
 def list_text_files(paths: Sequence[str | Path], flag: str = "--data") -> list[Path]:
     """Expand files and folders into a sorted list of text files and saved datasets.
 
     Raises:
-        ValueError: a path that does not exist, or no .txt/.jsonl file at all.
+        ValueError: a path that does not exist, no .txt/.jsonl file at all, or a folder holding a generate-data
+            corpus that is not finished (a cache of it would silently hold less text than its budget; its finished
+            shards can still be named one by one).
     """
     files: list[Path] = []
     for raw in paths:
@@ -74,6 +88,10 @@ def list_text_files(paths: Sequence[str | Path], flag: str = "--data") -> list[P
         if is_saved_dataset(path):
             files.append(path)
         elif path.is_dir():
+            if (report := _unfinished_corpus(path)) is not None:
+                raise ValueError(f"{flag} {raw}: {report} says generate-data has not finished this corpus; rerun "
+                                 "the same generate-data command to complete it (finished shards are kept), or name "
+                                 "the shard files themselves")
             files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         elif path.is_file():
             files.append(path)

@@ -30,7 +30,7 @@ from .config import field_defaults
 from .config_data import GenerateDataConfig
 from .files import FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record
 
-REPORT_FILE = "generate.json"
+REPORT_FILE = data.GENERATED_REPORT
 SHARD = "part-{index:05d}.jsonl"
 
 

@@ -115,6 +115,24 @@ def test_build_cache_reads_the_generated_corpus(teacher_dir, corpus_dir, tmp_pat
     assert cached * 16 >= generated  # every generated token (and its prompt) is in the cache
 
 
+def test_an_unfinished_corpus_is_refused_until_it_completes(teacher_dir, corpus_dir, tmp_path, capsys):
+    out = tmp_path / "self"
+    generate_data(_cfg(teacher_dir, corpus_dir, out), **QUIET)
+    (out / "part-00003.jsonl").unlink()  # as if stopped after three shards: its report says complete false
+    report = json.loads((out / "generate.json").read_text())
+    (out / "generate.json").write_text(json.dumps({**report, "complete": False}))
+    cache = tmp_path / "cache"
+    assert main(["build-cache", "--teacher", str(teacher_dir), "--data", str(out), "--out", str(cache),
+                 "--seq-len", "16", "--top-k", "4", "--device", "cpu"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--data {out}" in err and "has not finished" in err and "rerun" in err
+    assert not cache.exists()
+    shards = sorted(out.glob("part-*.jsonl"))
+    assert list_text_files(shards) == shards  # the finished shards, named one by one, still read
+    generate_data(_cfg(teacher_dir, corpus_dir, out), **QUIET)  # completes it
+    assert len(list_text_files([out])) == 4
+
+
 def test_chat_prompts_become_message_records(teacher_dir, corpus_dir, tokenizer, tmp_path):
     chat_teacher = tmp_path / "chat-teacher"
     shutil.copytree(teacher_dir, chat_teacher)
