@@ -211,6 +211,8 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
     if args.wide_top_k <= 0:
         raise ValueError(f"--wide-top-k {args.wide_top_k}: must be positive")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.budget_name):  # it names the budget's plot files
+        raise ValueError(f"--budget-name {args.budget_name!r}: use letters, digits, '.', '_' and '-' only")
     if min(args.ranks) <= 0 or not 0 <= args.sampled_n <= 255:
         raise ValueError("--ranks must be positive and --sampled-n in [0, 255] (0 = matched to the top-K cache)")
 
@@ -801,9 +803,10 @@ def plot_ppl_tokens(plt, records: list[dict], path: Path) -> Path:
     return path
 
 
-def write_plots(json_path: Path, records: list[dict], every_budget: list[dict]) -> list[Path]:
-    """Loss curves per preset and gap recovered per method for the records of this budget; ppl against
-    training tokens over every budget."""
+def write_plots(json_path: Path, budget: str, records: list[dict], every_budget: list[dict]) -> list[Path]:
+    """Loss curves per preset and gap recovered per method for the records of `budget`; ppl against training
+    tokens over every budget. The per-budget files carry the budget's name, so running one budget leaves the
+    plots of the others (which RESULTS.md links to) as they were."""
     try:
         import matplotlib
 
@@ -816,9 +819,9 @@ def write_plots(json_path: Path, records: list[dict], every_budget: list[dict]) 
     paths = []
     for preset in dict.fromkeys(r["preset"] for r in records if r.get("stages")):
         trained = [r for r in records if r["preset"] == preset and r.get("stages")]
-        paths.append(plot_curves(plt, preset, trained, Path(f"{stem}_loss_{preset}.png")))
+        paths.append(plot_curves(plt, preset, trained, Path(f"{stem}_{budget}_loss_{preset}.png")))
     if any(r["preset"] for r in records):
-        paths.append(plot_gaps(plt, records, Path(f"{stem}_gap.png")))
+        paths.append(plot_gaps(plt, records, Path(f"{stem}_{budget}_gap.png")))
     if any(r["tokens"] for r in every_budget):
         paths.append(plot_ppl_tokens(plt, every_budget, Path(f"{stem}_ppl_tokens.png")))
     return paths
@@ -859,7 +862,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(markdown_table(results["records"]))
     write_markdown(json_path, results["records"])
     this_budget = [r for r in results["records"] if r["budget"] == args.budget_name]
-    for path in write_plots(json_path, this_budget, results["records"]):
+    for path in write_plots(json_path, args.budget_name, this_budget, results["records"]):
         print(f"wrote {path}")
     return results
 

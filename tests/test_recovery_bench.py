@@ -199,8 +199,8 @@ def test_markdown_table_and_plots(first_run, tiny_args):
         rates = [f"{s['lr']:g}" for s in record.get("stages") or []]
         assert f"| {' / '.join(rates) or '–'} |" in row and (record["method"] != "qat+lora" or len(rates) == 2)
     pytest.importorskip("matplotlib")
-    assert (json_path.parent / "recovery_gap.png").stat().st_size > 0
-    assert (json_path.parent / "recovery_loss_w4g32.png").stat().st_size > 0
+    assert (json_path.parent / "recovery_test_gap.png").stat().st_size > 0  # per budget: "test"
+    assert (json_path.parent / "recovery_test_loss_w4g32.png").stat().st_size > 0
     assert (json_path.parent / "recovery_ppl_tokens.png").stat().st_size > 0
 
 
@@ -255,6 +255,7 @@ def test_extrapolation_follows_a_power_law_in_the_gap_to_the_teacher(recovery, t
     ("--eval-text", "/nonexistent/wiki.txt", "--eval-text /nonexistent/wiki.txt: not found"),
     ("--news-text", "/nonexistent/news.txt", "--news-text /nonexistent/news.txt: not found"),
     ("--eval-seq-len", "4096", "--eval-seq-len 4096: longer than the teacher's context (128 positions)"),
+    ("--budget-name", "gpu/5m", "--budget-name 'gpu/5m': use letters, digits"),  # it names plot files
 ])
 def test_bad_input_is_a_one_line_error(recovery, tiny_args, capsys, flag, value, message):
     args = list(tiny_args)
