@@ -112,6 +112,9 @@ def test_tokens_and_stages(first_run):
     blockwise = json.loads((Path(by["ptq-blockwise"]["quantizer"]).parent / "quantize.json").read_text())
     assert blockwise["config"]["blockwise_steps"] == 4 and blockwise["config"]["init"] == "gptq"
     assert by["ptq-blockwise"]["quantizer"] != by["ptq-gptq"]["quantizer"]
+    # a data-aware row records its calibration size, which its table row shows (rows differ by nothing else)
+    assert {by[m]["calib_sequences"] for m in ("ptq-act", "ptq-gptq", "ptq-blockwise")} == {8}
+    assert "calib_sequences" not in by["ptq-rtn"]
     lora = by["lora-topk-tail"]
     assert lora["tokens"] == 2 * 4 * 32 and lora["steps"] == 2
     stages = by["qat+lora"]["stages"]
@@ -198,6 +201,7 @@ def test_markdown_table_and_plots(first_run, tiny_args):
     for record, row in zip(first_run["records"], rows):  # each row names its stages' learning rates
         rates = [f"{s['lr']:g}" for s in record.get("stages") or []]
         assert f"| {' / '.join(rates) or '–'} |" in row and (record["method"] != "qat+lora" or len(rates) == 2)
+        assert ("| gptq (8 seq.) |" in row) == (record["method"] == "ptq-gptq")
     pytest.importorskip("matplotlib")
     assert (json_path.parent / "recovery_test_gap.png").stat().st_size > 0  # per budget: "test"
     assert (json_path.parent / "recovery_test_loss_w4g32.png").stat().st_size > 0
