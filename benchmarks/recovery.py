@@ -469,7 +469,8 @@ def run_data_init(args: argparse.Namespace, row: Row, caches: dict[str, dict], d
     path, seconds = data_init(args, row.preset, init, caches)
     model = build_student(StudentSpec(args.teacher, row.preset, path), resolve_attn("auto", device))
     return {"init": _init_label(args, init), "calib_sequences": args.calib_sequences, "tokens": 0, "steps": 0,
-            "wall_s": round(seconds, 2), "quantizer": path, "bits_per_weight": round(bits_per_weight(model), 4), **evaluate_model(model, args, caches, device)}
+            "wall_s": round(seconds, 2), "quantizer": path, "bits_per_weight": round(bits_per_weight(model), 4),
+            **evaluate_model(model, args, caches, device)}
 
 
 def run_ptq(args: argparse.Namespace, row: Row, caches: dict[str, dict], device: torch.device) -> dict:
@@ -634,6 +635,12 @@ def _lrs(record: dict, sep: str = " / ") -> str:
                     for s in record.get("stages") or [] if s.get("lr")) or "–"
 
 
+def _init_cell(record: dict) -> str:
+    """The init column; a data-aware init names its calibration size (rows may differ by nothing else)."""
+    calib = record.get("calib_sequences")
+    return f"{record['init']} ({calib} seq.)" if record["init"] and calib else record["init"] or "–"
+
+
 def markdown_table(records: list[dict]) -> str:
     head = ("| budget | preset | method | r | lr | init | ppl | NLL | NLL − teacher (nats) | ppl ÷ teacher | gap recovered "
             "(ppl) | gap recovered (nats) | news ppl | news ppl ÷ teacher | news gap recovered | KD KL | top-1 | tokens | "
@@ -642,7 +649,7 @@ def markdown_table(records: list[dict]) -> str:
     for r in records:
         lines.append(
             f"| {r['budget']} | {r['preset'] or '–'} | {r['method']} | {r['lora_r'] or '–'} | {_lrs(r)} | "
-            f"{r['init'] or '–'}{f' ({n} seq.)' if (n := r.get('calib_sequences')) else ''} | "
+            f"{_init_cell(r)} | "
             f"{_fmt(r['ppl'], 'ppl')} | {_fmt(r['nll'])} | {_fmt(r['nll_gap_nats'])} | {_fmt(r['ppl_ratio'], '.2f')} | "
             f"{_fmt(r['gap_recovered'], '%')} | {_fmt(r['gap_recovered_nats'], '%')} | "
             f"{_fmt(r.get('ppl_news'), 'ppl')} | {_fmt(r.get('ppl_ratio_news'), '.2f')} | "
