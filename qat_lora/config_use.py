@@ -117,7 +117,9 @@ class DemoConfig:
     work_dir: str = field(default="runs/demo", metadata={"help": "where the cache, run and results go"})
     quant: str = field(default="w3g64", metadata={"help": "quantisation preset of the student"})
     seq_len: int = field(default=256, metadata={"help": "sequence length for cache, training and eval"})
-    top_k: int = field(default=64, metadata={"help": "teacher log-probs kept per position"})
+    encoding: str = field(default="sampled", metadata={"help": "cache targets: sampled (RS-KD) or topk (+ tail)"})
+    num_samples: int = field(default=64, metadata={"help": "sampled: teacher draws per position"})
+    top_k: int = field(default=64, metadata={"help": "topk: teacher log-probs kept per position"})
     cache_tokens: int = field(default=56_000, metadata={"help": "teacher tokens to cache (train + held-out)"})
     eval_tokens: int = field(default=8_192, metadata={"help": "Wikipedia tokens for perplexity"})
     max_steps: int = field(default=50, metadata={"help": "optimizer steps (one pass over the cached tokens)"})
@@ -142,6 +144,10 @@ class DemoConfig:
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         check_lora_init(self.lora_init, folder_allowed=False)
+        if self.encoding not in ("sampled", "topk"):
+            raise ValueError(f"--encoding {self.encoding!r}: choose sampled or topk")
+        if not 1 <= self.num_samples <= 255:
+            raise ValueError(f"--num-samples {self.num_samples}: must be in [1, 255]")
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
         if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used

@@ -90,10 +90,12 @@ def run_demo(cfg: DemoConfig) -> dict:
     device = dev.resolve_device(cfg.device)
     # The default teacher keeps the folder name earlier demos wrote (their caches are reused); another is named.
     named = "" if cfg.teacher == DemoConfig.teacher else f"{cfg.teacher}-"
-    cache_dir = work / f"cache-{named}L{cfg.seq_len}-k{cfg.top_k}-{cfg.cache_tokens}"
+    targets = f"n{cfg.num_samples}" if cfg.encoding == "sampled" else f"k{cfg.top_k}"
+    cache_dir = work / f"cache-{named}L{cfg.seq_len}-{targets}-{cfg.cache_tokens}"
     if not (cache_dir / "manifest.json").exists():
         build_cache(CacheBuildConfig(teacher=teacher, data=[str(assets.train_text_dir)], out=str(cache_dir),
-                                     seq_len=cfg.seq_len, top_k=cfg.top_k, max_tokens=cfg.cache_tokens,
+                                     seq_len=cfg.seq_len, encoding=cfg.encoding, num_samples=cfg.num_samples,
+                                     top_k=cfg.top_k, max_tokens=cfg.cache_tokens,
                                      holdout_fraction=0.05, batch_size=cfg.batch_size, device=cfg.device,
                                      resume=True))  # a build the last demo left unfinished continues
     cache = KDCache(cache_dir)
@@ -102,6 +104,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     summary = train(_train_config(cfg, teacher, cache_dir, quantizer, work),
                     rerun="rerun the same qat-lora demo command to continue (the cache, init and checkpoints are kept)")
     print(f"held-out evaluation ({cfg.eval_tokens:,} Wikipedia tokens at context {cfg.seq_len}):")
+    if cfg.encoding == "sampled":  # KL to N draws: the teacher's own is their noise floor, not 0
+        print(f"  (KD KL and top-1 against the cache's {cfg.num_samples} teacher draws per held-out position: the "
+              "teacher's own KL is the draws' noise floor, and a student's excess over it estimates its KL)")
     students = [("teacher", "", "", ""), ("ptq", cfg.quant, "", "")]
     if quantizer:
         students.append((cfg.init, cfg.quant, quantizer, ""))

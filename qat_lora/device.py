@@ -392,11 +392,6 @@ def device_batches(batches: Iterator[dict[str, torch.Tensor]], device: torch.dev
         loader.close()
 
 
-def has_device_generator(device: torch.device) -> bool:
-    """Whether `torch.Generator(device=device)` exists there: torch_xla has no per-device generator objects."""
-    return not is_xla(device)
-
-
 def searchsorted_is_native(device: torch.device) -> bool:
     """Whether torch.searchsorted runs on `device` itself: XLA has no lowering and falls back to the CPU (a host
     round trip inside the graph), so callers use a compare-and-sum there."""

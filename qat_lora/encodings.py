@@ -122,19 +122,22 @@ class SampledEncoding:
 
     @torch.no_grad()
     def select(self, logits: torch.Tensor, seeds: list[int]) -> list[dict[str, np.ndarray]]:
-        """Logits [B, L, V] -> per row of the first len(seeds) (the rest is padding) the draws [L, N], from one
-        generator per row seeded by `seeds`, so a row's draws never depend on which rows share its batch.
+        """Logits [B, L, V] -> per row of the first len(seeds) (the rest is padding) the draws [L, N].
 
-        The draws happen on the teacher's device where it has generators (CPU, CUDA); on XLA, which has none,
-        the logits come to the host in one transfer and are drawn there exactly as on the CPU.
+        Inverse-CDF sampling on the teacher's device: the uniforms come from one CPU generator per row, seeded
+        by `seeds` (a row's draws never depend on which rows share its batch, and CPU, CUDA and XLA draw the
+        same tokens up to the logits' rounding); only the [B, L, N] ids leave the device, in one transfer.
         """
-        if not dev.has_device_generator(logits.device):
-            (logits,) = dev.to_host([logits])
-        probs = torch.softmax(logits.float(), dim=-1)
-        draws = [torch.multinomial(row_probs, self.num_samples, replacement=True,
-                                   generator=torch.Generator(device=row_probs.device).manual_seed(seed))
-                 for row_probs, seed in zip(probs, seeds)]
-        return [{"draws": d.numpy()} for d in dev.to_host(draws)]
+        cdf = torch.softmax(logits.float(), dim=-1).cumsum(-1)
+        batch, length, vocab = cdf.shape
+        uniforms = torch.zeros(batch, length, self.num_samples)
+        for row, seed in enumerate(seeds):
+            uniforms[row] = torch.rand(length, self.num_samples, generator=torch.Generator().manual_seed(seed))
+        # Scaled by the row's own total, which rounding keeps near but not at 1: every draw lands in the vocabulary.
+        targets = uniforms.to(cdf.device) * cdf[..., -1:]
+        draws = inverse_cdf(cdf, targets).clamp(max=vocab - 1)
+        (draws,) = dev.to_host([draws])
+        return [{"draws": d.numpy()} for d in draws[:len(seeds)]]
 
     def pack_row(self, selected: dict[str, np.ndarray], vocab_size: int) -> dict[str, np.ndarray]:
         ordered = np.sort(selected["draws"], axis=1)  # [L, N]
@@ -167,6 +170,33 @@ class SampledEncoding:
 def encode_rows(encoding, logits: torch.Tensor, vocab_size: int, seeds: list[int]) -> list[dict[str, np.ndarray]]:
     """select + pack_row in one call (tests and small tools)."""
     return [encoding.pack_row(row, vocab_size) for row in encoding.select(logits, seeds)]
+
+
+def inverse_cdf(cdf: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """For a non-decreasing `cdf` [..., V] and `targets` [..., N]: how many cdf entries are <= each target
+    (searchsorted's right-side index), i.e. the token whose CDF step holds the target. [..., N] int64."""
+    if dev.searchsorted_is_native(cdf.device):
+        return torch.searchsorted(cdf.contiguous(), targets.contiguous(), right=True)
+    return blocked_count_at_most(cdf, targets)
+
+
+def blocked_count_at_most(cdf: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """inverse_cdf without searchsorted (XLA has none): the vocabulary in ~sqrt(V) blocks; count the blocks
+    whose last entry is <= the target, then the entries <= it inside the next block. Static shapes, and
+    N x 2 sqrt(V) comparisons per position where a plain compare-and-sum would make N x V."""
+    vocab = cdf.shape[-1]
+    block = math.isqrt(vocab - 1) + 1
+    num_blocks = -(-vocab // block)
+    if num_blocks * block > vocab:  # padding above every target: never counted
+        cdf = torch.nn.functional.pad(cdf, (0, num_blocks * block - vocab), value=float("inf"))
+    lead = cdf.shape[:-1]
+    blocks = cdf.reshape(-1, num_blocks, block)  # [R, blocks, block]
+    flat_targets = targets.reshape(blocks.shape[0], -1)  # [R, N]
+    whole = (blocks[:, :, -1].unsqueeze(1) <= flat_targets.unsqueeze(-1)).sum(-1)  # [R, N] blocks wholly <= target
+    chosen = whole.clamp(max=num_blocks - 1)
+    rows = torch.arange(blocks.shape[0], device=cdf.device).unsqueeze(-1)
+    inside = (blocks[rows, chosen] <= flat_targets.unsqueeze(-1)).sum(-1)  # [R, N]
+    return (chosen * block + inside).reshape(*lead, -1)
 
 
 def make_encoding(params: dict) -> TopKEncoding | SampledEncoding:

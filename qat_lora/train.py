@@ -407,6 +407,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
     if cfg.loss_chunk_size < 0:  # auto: config.json and checkpoints record the size that ran, resumes compare it
         cfg = dataclasses.replace(cfg, loss_chunk_size=dev.default_loss_chunk_size(device))
     cache = KDCache(cfg.cache)  # the inputs first: a missing cache is the error to report, not where --out is
+    if cache.encoding.name == "sampled" and not cfg.online_teacher and cfg.temperature != 1.0:
+        raise ValueError(f"--temperature {cfg.temperature}: --cache {cfg.cache} holds sampled targets, drawn at T = 1; "
+                         "train at --temperature 1, or rebuild the cache with --encoding topk")
     _check_out(cfg)
     finished = _finished_run(cfg, log)
     if finished is not None:

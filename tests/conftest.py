@@ -108,7 +108,7 @@ def cache_dir(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
 
     out = tmp_path_factory.mktemp("cache")
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=32,
-                                 top_k=8, value_bits=32, max_tokens=6_000, batch_size=8, holdout_fraction=0.1,
+                                 encoding="topk", top_k=8, value_bits=32, max_tokens=6_000, batch_size=8, holdout_fraction=0.1,
                                  device="cpu"), log=lambda _: None)
     return out
 

@@ -20,7 +20,8 @@ from qat_lora.cache import KDCache, inspect_cache, verify_cache
 from qat_lora.cache_build import build_cache, merge_manifests
 from qat_lora.config_data import CacheBuildConfig
 from qat_lora.cli import main
-from qat_lora.encodings import DELTA_STEP, SampledEncoding, TopKEncoding, encode_rows, pack_bits, unpack_bits
+from qat_lora.encodings import (DELTA_STEP, SampledEncoding, TopKEncoding, blocked_count_at_most, encode_rows,
+                                pack_bits, unpack_bits)
 
 V, L = 300, 16
 
@@ -71,8 +72,34 @@ def test_sampled_round_trip_counts_and_ids_exact():
     assert np.array_equal(again[0]["draws"], selected[1]["draws"])
 
 
+
+@pytest.mark.parametrize("vocab", [1, 2, 7, 300, 1031])
+def test_blocked_inverse_cdf_equals_searchsorted(vocab):
+    # XLA's inverse CDF (no searchsorted there) against searchsorted's right-side index, with zero-probability
+    # tokens (flat CDF steps), targets exactly on a CDF value, and vocabularies that do not fill the last block.
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(3, 5, vocab, generator=gen) ** 6 * (torch.rand(vocab, generator=gen) > 0.3)
+    probs[..., 0] += 1e-3
+    cdf = (probs / probs.sum(-1, keepdim=True)).cumsum(-1)
+    targets = torch.rand(3, 5, 40, generator=gen) * cdf[..., -1:]
+    targets[..., 0] = cdf[..., vocab // 2]
+    targets[..., 1] = 0.0
+    targets[..., 2] = cdf[..., -1]
+    assert torch.equal(blocked_count_at_most(cdf, targets), torch.searchsorted(cdf, targets, right=True))
+
+
+def test_sampled_draws_follow_the_teacher_distribution():
+    # 64 x 400 draws from one known distribution: each token's frequency within 4.5 binomial standard deviations
+    # of its probability, and a token of probability 0 never drawn.
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, -3.0]).expand(1, 400, 7)
+    draws = SampledEncoding(num_samples=64).select(logits, [3])[0]["draws"]
+    probs, n = torch.softmax(logits[0, 0], -1).numpy(), draws.size
+    freq = np.bincount(draws.reshape(-1), minlength=7) / n
+    assert freq[4] == 0
+    assert (np.abs(freq - probs) <= 4.5 * np.sqrt(probs * (1 - probs) / n) + 1e-12).all(), (freq, probs)
+
 def _config(teacher_dir, corpus_dir, out, **overrides) -> CacheBuildConfig:
-    args = dict(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=16, top_k=8, value_bits=16,
+    args = dict(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=16, encoding="topk", top_k=8, value_bits=16,
                 max_tokens=6_000, batch_size=4, holdout_fraction=0.1, shard_sequences=16, device="cpu")
     return CacheBuildConfig(**{**args, **overrides})
 
@@ -134,7 +161,7 @@ def test_sigkill_then_resume_gives_byte_identical_shards(reference, teacher_dir,
     uninterrupted build byte for byte."""
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "qat_lora.cli", "build-cache", "--teacher", str(teacher_dir), "--data",
-           str(corpus_dir), "--out", str(out), "--seq-len", "16", "--top-k", "8", "--value-bits", "16",
+           str(corpus_dir), "--out", str(out), "--seq-len", "16", "--encoding", "topk", "--top-k", "8", "--value-bits", "16",
            "--max-tokens", "6000", "--batch-size", "4", "--holdout-fraction", "0.1", "--shard-sequences", "16",
            "--device", "cpu"]
     progress = out / "progress-r000.json"
@@ -276,6 +303,11 @@ def test_trainer_and_eval_read_a_sampled_cache(teacher_dir, corpus_dir, tmp_path
     result = evaluate(EvalConfig(model=str(teacher_dir), quant="w2g32", adapter=summary["adapter"], cache=str(cache),
                                  device="cpu"), log=lambda _: None)
     assert np.isfinite(result["kd_soft_ce"]) and 0 <= result["kd_top1"] <= 1 and result["kd_tokens"] > 0
+    # The draws are of the T = 1 distribution: another temperature is refused before anything loads or is written.
+    with pytest.raises(ValueError, match=r"--temperature 2.0: --cache .* holds sampled targets"):
+        train(TrainConfig(model=str(teacher_dir), cache=str(cache), quant="w2g32", out=str(tmp_path / "hot"),
+                          temperature=2.0, device="cpu"), log=lambda _: None)
+    assert not (tmp_path / "hot").exists()
 
 
 def test_chat_records_are_rendered_with_the_chat_template(teacher_dir, tmp_path):
@@ -326,6 +358,7 @@ def test_teacher_dtype_and_matmul_precision_flags(reference, teacher_dir, corpus
     before = {k: v for k, v in asdict(cfg).items()
               if k not in ("resume", "overwrite", "device", "parallel", "dtype", "matmul_precision",
                            "text_encoding", "text_errors")}
+    before["num_samples"] = 50  # what a top-K build carried before sampled N = 64 became the default
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
     assert _config(teacher_dir, corpus_dir, tmp_path, dtype="bf16").fingerprint() != cfg.fingerprint()
     # Recorded in the manifest; a manifest from before they were recorded reads as fp32 at the default precision.
@@ -348,3 +381,20 @@ def test_teacher_dtype_and_matmul_precision_flags(reference, teacher_dir, corpus
     a, b = next(bf16.batches("train", 2, shuffle=False)), next(KDCache(reference).batches("train", 2, shuffle=False))
     assert torch.equal(a["input_ids"], b["input_ids"])
     assert (a["topk_logprobs"][..., 0] - b["topk_logprobs"][..., 0]).abs().max() < 0.2
+
+
+def test_a_topk_build_from_before_the_sampled_default_resumes(reference, teacher_dir, corpus_dir, tmp_path):
+    # `reference` is a top-K build; the same command line now means sampled N = 64. Interrupted before the
+    # manifest, it is refused with the flag that continues it, and with that flag it finishes as it began.
+    out = tmp_path / "old"
+    build_cache(_config(teacher_dir, corpus_dir, out), log=lambda _: None)
+    (out / "manifest.json").unlink()  # every shard written, the build stopped before its manifest
+    args = {k: v for k, v in _config(teacher_dir, corpus_dir, out).__dict__.items() if k != "encoding"}
+    with pytest.raises(ValueError, match="began under an earlier default: add --encoding topk"):
+        build_cache(CacheBuildConfig(**{**args, "resume": True}), log=lambda _: None)
+    # --num-samples means nothing to a top-K build: its old default (50) and the new one (64) resume alike.
+    assert CacheBuildConfig(**{**args, "encoding": "topk", "num_samples": 50}).fingerprint() == \
+        CacheBuildConfig(**{**args, "encoding": "topk"}).fingerprint()
+    build_cache(CacheBuildConfig(**{**args, "encoding": "topk", "resume": True}), log=lambda _: None)
+    assert _shard_bytes(out) == _shard_bytes(reference)
+    assert KDCache(out).manifest["encoding"]["name"] == "topk"

@@ -16,7 +16,7 @@ from tests.reliability.test_user_mistakes import run_cli
 
 def _build(teacher_dir, corpus_dir, out: Path, rank: int, *extra: str) -> None:
     assert main(["build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir), "--out", str(out),
-                 "--seq-len", "32", "--top-k", "8", "--max-tokens", "3000", "--holdout-fraction", "0.1",
+                 "--seq-len", "32", "--encoding", "topk", "--top-k", "8", "--max-tokens", "3000", "--holdout-fraction", "0.1",
                  "--device", "cpu", "--rank", str(rank), "--world-size", "2", *extra]) == 0
 
 

@@ -24,7 +24,7 @@ if importlib.util.find_spec("torch_xla") is None:
     pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
 
 BATCH = 2  # rows per device
-FLAGS = ("--seq-len", "32", "--top-k", "8", "--value-bits", "16", "--max-tokens", "1500", "--batch-size", str(BATCH),
+FLAGS = ("--seq-len", "32", "--encoding", "topk", "--top-k", "8", "--value-bits", "16", "--max-tokens", "1500", "--batch-size", str(BATCH),
          "--shard-sequences", "16", "--device", "xla")
 
 MEASURED_BUILD = """
@@ -45,7 +45,7 @@ def shard_and_measure(model, device=None):  # what the build's teacher holds, pe
     return model
 
 backend.shard_model_ = shard_and_measure
-build_cache(CacheBuildConfig(teacher=teacher, data=[data], out=out, seq_len=32, top_k=8, value_bits=16,
+build_cache(CacheBuildConfig(teacher=teacher, data=[data], out=out, seq_len=32, encoding="topk", top_k=8, value_bits=16,
                              max_tokens=1500, batch_size=%d, shard_sequences=16, device="xla", num_chips=devices,
                              parallel="fsdp"), log=lambda _: None, backend=backend)
 print("MEASURED " + json.dumps(measured))

@@ -12,7 +12,7 @@ from qat_lora.demo import run_demo
 def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, corpus_dir, monkeypatch, capsys):
     assets = Assets(root=tmp_path, teacher_dir=teacher_dir, train_text_dir=corpus_dir, eval_text=corpus_dir / "b.txt")
     monkeypatch.setattr(qat_lora.assets, "fetch_assets", lambda root=None, **_: assets)
-    result = run_demo(DemoConfig(work_dir=str(tmp_path / "demo"), quant="w2g32", seq_len=32, top_k=8,
+    result = run_demo(DemoConfig(work_dir=str(tmp_path / "demo"), quant="w2g32", seq_len=32, num_samples=16,
                                  cache_tokens=6_000, eval_tokens=1_000, max_steps=5, batch_size=4, calib_sequences=32,
                                  device="cpu"))
     saved = json.loads((tmp_path / "demo" / "demo.json").read_text())
@@ -23,8 +23,10 @@ def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, cor
     init = tmp_path / "demo" / "init-w2g32-gptq" / "quantizer.safetensors"
     run, = (tmp_path / "demo").glob("run-w2g32-gptq-*")  # named by its settings: a rerun resumes it
     assert json.loads((run / "config.json").read_text())["quantizer"] == str(init)
-    assert teacher["kd_top1"] > 0.99 and teacher["kd_kl"] < 1e-4  # the teacher agrees with its own cache
-    assert ptq["kd_kl"] > teacher["kd_kl"]
+    # The cache holds 16 teacher draws per position (the default encoding): the teacher's own KL to them is the
+    # draws' noise floor, not 0, and every student lies above it.
+    assert (tmp_path / "demo" / "cache-L32-n16-6000" / "manifest.json").is_file()
+    assert 0 < teacher["kd_kl"] < min(r["kd_kl"] for r in (ptq, gptq, recovered))
     assert saved["gap_recovered"] == result["gap_recovered"]
     assert "| teacher ppl | PTQ ppl (w2g32) | gptq init ppl | recovered ppl |" in capsys.readouterr().out
 

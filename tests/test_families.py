@@ -110,7 +110,7 @@ def test_family_end_to_end(family, corpus, family_tokenizer, tmp_path, capsys):
     assert family_of(model_dir) == family
     cache = tmp_path / "cache"
     build_cache(CacheBuildConfig(teacher=str(model_dir), data=[str(corpus)], out=str(cache), seq_len=SEQ_LEN,
-                                 top_k=8, value_bits=32, max_tokens=1_200, batch_size=8, holdout_fraction=0.2,
+                                 encoding="topk", top_k=8, value_bits=32, max_tokens=1_200, batch_size=8, holdout_fraction=0.2,
                                  device="cpu"), log=lambda _: None)
     init = tmp_path / "init"
     assert main(["quantize", "--model", str(model_dir), "--quant", QUANT, "--init", "gptq", "--cache", str(cache),
@@ -279,7 +279,7 @@ def test_models_that_need_a_bos_get_it_at_the_start_of_every_cached_and_evaluate
 
     model_dir = _model_dir(tmp_path / "m", "gemma3", with_bos)
     build_cache(CacheBuildConfig(teacher=str(model_dir), data=[str(corpus)], out=str(tmp_path / "c"), seq_len=16,
-                                 top_k=4, value_bits=32, max_tokens=300, batch_size=8, holdout_fraction=0.2,
+                                 encoding="topk", top_k=4, value_bits=32, max_tokens=300, batch_size=8, holdout_fraction=0.2,
                                  device="cpu"), log=lambda _: None)
     cache = KDCache(tmp_path / "c")
     rows = next(iter(cache.batches("train", 4, shuffle=False)))["input_ids"]

@@ -307,7 +307,7 @@ def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, 
     save_gguf(quantize_(load_causal_lm(wide_dir), "q8_0"), tmp_path / "t", teacher_tok, name="Teacher-Q8")
     teacher = tmp_path / "t" / GGUF_FILE
     build_cache(CacheBuildConfig(teacher=str(teacher), data=[str(corpus_dir)], out=str(tmp_path / "cache"), seq_len=32,
-                                 top_k=8, value_bits=32, max_tokens=2_000, batch_size=8, device="cpu"),
+                                 encoding="topk", top_k=8, value_bits=32, max_tokens=2_000, batch_size=8, device="cpu"),
                 log=lambda _: None)
     train(TrainConfig(model=str(teacher), cache=str(tmp_path / "cache"), quant="q4_k", preset="qat",
                       out=str(tmp_path / "run"), max_steps=3, batch_size=2, warmup_steps=1, lr=1e-2),

@@ -59,7 +59,7 @@ def tiny(corpus_dir, teacher_dir, tmp_path_factory) -> dict:
     eval_text = tmp_path_factory.mktemp("eval") / "heldout.txt"
     eval_text.write_text(synthetic_text(20, seed=7))
     return {"MODEL": str(teacher_dir), "TEXT_DIR": str(corpus_dir), "EVAL_TEXT": str(eval_text), "WORK_DIR": "work",
-            "SEQ_LEN": 32, "TOP_K": 8, "CACHE_TOKENS": 3_000, "CALIB_SEQUENCES": 8, "BATCH_SIZE": 2, "LORA_R": 4,
+            "SEQ_LEN": 32, "NUM_SAMPLES": 16, "TOP_K": 8, "CACHE_TOKENS": 3_000, "CALIB_SEQUENCES": 8, "BATCH_SIZE": 2, "LORA_R": 4,
             "EVAL_TOKENS": 256, "MAX_NEW_TOKENS": 8}
 
 
@@ -74,6 +74,7 @@ def _assert_chain(work: Path, run: Path) -> dict:
     """The artefacts every chain notebook promises: cache, adapter, curves, results table, export, generated text."""
     manifest = json.loads((work / "cache" / "manifest.json").read_text())
     assert manifest["splits"]["train"]["tokens"] > 0
+    assert manifest["encoding"] == {"name": "sampled", "num_samples": 16}  # the notebooks' default targets
     assert (run / "adapter" / "adapter_model.safetensors").stat().st_size > 0
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads((work / "results.json").read_text())

@@ -30,7 +30,7 @@ def full_cache(tmp_path_factory, teacher_dir, corpus_dir, tokenizer):
     """A cache holding the teacher's whole distribution: top-K with K = V at 32 bits."""
     out = tmp_path_factory.mktemp("kv-cache")
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=32,
-                                 top_k=len(tokenizer), value_bits=32, max_tokens=2_000, batch_size=8,
+                                 encoding="topk", top_k=len(tokenizer), value_bits=32, max_tokens=2_000, batch_size=8,
                                  holdout_fraction=0.1, device="cpu"), log=lambda _: None)
     return out
 

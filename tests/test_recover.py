@@ -136,7 +136,7 @@ def test_lr_probe_needs_a_heldout_split(teacher_dir, corpus_dir, tmp_path):
 
     cache = tmp_path / "cache"
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cache), seq_len=32,
-                                 top_k=8, max_tokens=2_000, batch_size=8, holdout_fraction=0.0, device="cpu"),
+                                 encoding="topk", top_k=8, max_tokens=2_000, batch_size=8, holdout_fraction=0.0, device="cpu"),
                 log=lambda _: None)
     with pytest.raises(ValueError, match="no held-out split to choose --lr on"):
         recover(_cfg(teacher_dir, cache, tmp_path / "run", qat="none", lora_steps=4, lr=[1e-3, 2e-3]), **QUIET)

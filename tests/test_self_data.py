@@ -108,7 +108,7 @@ def test_build_cache_reads_the_generated_corpus(teacher_dir, corpus_dir, tmp_pat
                  str(tmp_path / "self"), "--prefix-tokens", "8", "--tokens", "1200", "--max-new-tokens", "24",
                  "--device", "cpu"]) == 0
     assert main(["build-cache", "--teacher", str(teacher_dir), "--data", str(tmp_path / "self"), "--out",
-                 str(tmp_path / "cache"), "--seq-len", "16", "--top-k", "4", "--device", "cpu"]) == 0
+                 str(tmp_path / "cache"), "--seq-len", "16", "--encoding", "topk", "--top-k", "4", "--device", "cpu"]) == 0
     cache = KDCache(tmp_path / "cache")
     cached = cache.num_sequences("train") + cache.num_sequences("heldout")
     generated = json.loads((tmp_path / "self" / "generate.json").read_text())["generated_tokens"]
@@ -123,7 +123,7 @@ def test_an_unfinished_corpus_is_refused_until_it_completes(teacher_dir, corpus_
     (out / "generate.json").write_text(json.dumps({**report, "complete": False}))
     cache = tmp_path / "cache"
     assert main(["build-cache", "--teacher", str(teacher_dir), "--data", str(out), "--out", str(cache),
-                 "--seq-len", "16", "--top-k", "4", "--device", "cpu"]) != 0
+                 "--seq-len", "16", "--encoding", "topk", "--top-k", "4", "--device", "cpu"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"--data {out}" in err and "has not finished" in err and "rerun" in err
     assert not cache.exists()
@@ -149,7 +149,7 @@ def test_chat_prompts_become_message_records(teacher_dir, corpus_dir, tokenizer,
     assert [r["messages"][0]["content"] for r in records[:2]] == ["tell of the king", "the river at night"]
     assert all(r["messages"][1]["role"] == "assistant" for r in records)
     assert main(["build-cache", "--teacher", str(chat_teacher), "--data", str(tmp_path / "o"), "--chat", "--out",
-                 str(tmp_path / "cache"), "--seq-len", "16", "--top-k", "4", "--holdout-fraction", "0.2",
+                 str(tmp_path / "cache"), "--seq-len", "16", "--encoding", "topk", "--top-k", "4", "--holdout-fraction", "0.2",
                  "--device", "cpu"]) == 0
 
 

@@ -38,7 +38,7 @@ def _train(tmp_path, teacher_dir, cache, device: str, steps: int, *extra: str) -
 def xla_cache(tmp_path_factory, teacher_dir, corpus_dir):
     cache = tmp_path_factory.mktemp("cache")
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cache), seq_len=32,
-                                 top_k=8, max_tokens=4_000, batch_size=8, device="cpu"), log=lambda _: None)
+                                 encoding="topk", top_k=8, max_tokens=4_000, batch_size=8, device="cpu"), log=lambda _: None)
     return cache
 
 

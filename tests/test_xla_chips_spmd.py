@@ -45,7 +45,7 @@ def _all_rows(cache: KDCache) -> dict[str, torch.Tensor]:
 
 
 def test_a_two_chip_xla_build_equals_the_one_process_build(tmp_path, teacher_dir, corpus_dir):
-    flags = ("--teacher", str(teacher_dir), "--data", str(corpus_dir), "--seq-len", "32", "--top-k", "8",
+    flags = ("--teacher", str(teacher_dir), "--data", str(corpus_dir), "--seq-len", "32", "--encoding", "topk", "--top-k", "8",
              "--value-bits", "32", "--max-tokens", "1500", "--batch-size", "8", "--shard-sequences", "16")
     out = tmp_path / "two"
     result = _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2")
@@ -58,7 +58,7 @@ def test_a_two_chip_xla_build_equals_the_one_process_build(tmp_path, teacher_dir
         assert xla["graphs_compiled"] == 1 and xla["cpu_fallback_ops"] == [], xla
     one = tmp_path / "one"
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(one), seq_len=32,
-                                 top_k=8, value_bits=32, max_tokens=1500, batch_size=8, device="cpu"),
+                                 encoding="topk", top_k=8, value_bits=32, max_tokens=1500, batch_size=8, device="cpu"),
                 log=lambda _: None)
     a, b = _all_rows(KDCache(out)), _all_rows(KDCache(one))
     assert torch.equal(a["input_ids"], b["input_ids"])  # every sequence once, in the same order
@@ -133,7 +133,7 @@ def test_fsdp_over_four_devices_makes_the_single_device_update(tmp_path, teacher
 
     cache = tmp_path / "cache"
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cache), seq_len=32,
-                                 top_k=8, max_tokens=4_000, batch_size=8, device="cpu"), log=lambda _: None)
+                                 encoding="topk", top_k=8, max_tokens=4_000, batch_size=8, device="cpu"), log=lambda _: None)
     one, _ = _train(tmp_path / "one", teacher_dir, cache, 1, "--batch-size", "4")
     fsdp, result = _train(tmp_path / "fsdp", teacher_dir, cache, 4, "--batch-size", "1", "--num-chips", "4",
                           "--parallel", "fsdp")

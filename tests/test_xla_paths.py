@@ -44,9 +44,9 @@ from qat_lora.cache_build import build_cache
 from qat_lora.config_data import CacheBuildConfig
 
 teacher, corpus, out = sys.argv[1:4]
-cases = {"short": dict(max_tokens=1000), "long": dict(max_tokens=2500),
+cases = {"short": dict(max_tokens=1000, encoding="topk"), "long": dict(max_tokens=2500, encoding="topk"),
          "sampled": dict(max_tokens=1000, encoding="sampled", num_samples=20),
-         "bf16": dict(max_tokens=1000, dtype="bf16", matmul_precision="highest")}
+         "bf16": dict(max_tokens=1000, encoding="topk", dtype="bf16", matmul_precision="highest")}
 report = {}
 for name, kwargs in cases.items():
     met.clear_all()
@@ -95,7 +95,7 @@ def test_cache_build_on_xla_runs_one_graph_per_batch_and_compiles_once(xla_build
 def test_xla_cache_equals_the_cpu_cache(tmp_path, xla_builds, teacher_dir, corpus_dir):
     out, _ = xla_builds
     cpu = tmp_path / "cpu"
-    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cpu), seq_len=32, top_k=8,
+    build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cpu), seq_len=32, encoding="topk", top_k=8,
                                  value_bits=32, max_tokens=1000, batch_size=8, device="cpu"), log=lambda _: None)
     a, b = _rows(KDCache(out / "short")), _rows(KDCache(cpu))
     torch.testing.assert_close(a["topk_logprobs"], b["topk_logprobs"], rtol=0, atol=1e-4)
@@ -103,11 +103,13 @@ def test_xla_cache_equals_the_cpu_cache(tmp_path, xla_builds, teacher_dir, corpu
 
 
 def test_sampled_cache_builds_on_xla_with_the_cpu_draws(tmp_path, xla_builds, teacher_dir, corpus_dir):
-    # torch_xla has no device generators: the logits come to the host in one transfer per batch and are drawn
-    # there with the per-row CPU generators, so the draws are the CPU build's (up to float rounding of the logits).
+    # The draws happen on the device (inverse CDF without searchsorted, which XLA lacks) from the per-row CPU
+    # generators' uniforms: one graph, compiled once, no CPU fallback, and only the ids come back, in one transfer
+    # per batch. So the draws are the CPU build's (up to float rounding of the logits).
     out, report = xla_builds
     xla = KDCache(out / "sampled")
     assert report["sampled"]["graph_executions"] == _batches(xla, 8)[0] == report["sampled"]["transfers_from_device"]
+    assert report["sampled"]["graphs_compiled"] == 1 and report["sampled"]["cpu_fallback_ops"] == [], report["sampled"]
     cpu = tmp_path / "cpu"
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cpu), seq_len=32,
                                  encoding="sampled", num_samples=20, max_tokens=1000, batch_size=8, device="cpu"),

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _build_argv(teacher, data, out, *extra) -> list[str]:
     return ["build-cache", "--teacher", str(teacher), "--data", str(data), "--out", str(out), "--seq-len", "16",
-            "--top-k", "4", "--max-tokens", "1500", "--batch-size", "4", "--holdout-fraction", "0.1",
+            "--encoding", "topk", "--top-k", "4", "--max-tokens", "1500", "--batch-size", "4", "--holdout-fraction", "0.1",
             "--shard-sequences", "16", "--device", "cpu", *map(str, extra)]
 
 
@@ -172,7 +172,7 @@ def test_a_stop_signal_ends_a_multi_chip_build_with_143_and_resume_completes_it(
                                                                                  tmp_path, capsys):
     out = tmp_path / "cache"
     argv = ["build-cache", "--num-chips", "2", "--device", "cpu", "--teacher", str(teacher_dir), "--data",
-            str(corpus_dir), "--out", str(out), "--seq-len", "32", "--top-k", "4", "--max-tokens", "0",
+            str(corpus_dir), "--out", str(out), "--seq-len", "32", "--encoding", "topk", "--top-k", "4", "--max-tokens", "0",
             "--batch-size", "1", "--shard-sequences", "2"]
     launcher = subprocess.Popen([sys.executable, "-m", "qat_lora.cli", *argv], env={**os.environ, "PYTHONPATH": str(ROOT)},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

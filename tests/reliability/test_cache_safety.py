@@ -18,7 +18,7 @@ from qat_lora.files import sha256_file
 
 
 def _config(teacher_dir, corpus_dir, out, **kw) -> CacheBuildConfig:
-    base = dict(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=16, top_k=4, max_tokens=1_500,
+    base = dict(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=16, encoding="topk", top_k=4, max_tokens=1_500,
                 batch_size=4, holdout_fraction=0.1, shard_sequences=16, device="cpu")
     return CacheBuildConfig(**{**base, **kw})
 

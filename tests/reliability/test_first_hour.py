@@ -74,7 +74,8 @@ def test_demo_stopped_by_sigterm_names_a_command_that_continues_it(tmp_path, tea
                                                                    capsys):
     assets = Assets(root=tmp_path, teacher_dir=teacher_dir, train_text_dir=corpus_dir, eval_text=corpus_dir / "b.txt")
     monkeypatch.setattr(qat_lora.assets, "fetch_assets", lambda root=None, **_: assets)
-    cfg = DemoConfig(work_dir=str(tmp_path / "demo"), quant="w2g32", seq_len=32, top_k=8, cache_tokens=3_000,
+    cfg = DemoConfig(work_dir=str(tmp_path / "demo"), quant="w2g32", seq_len=32, encoding="topk", top_k=8,
+                     cache_tokens=3_000,
                      eval_tokens=200, max_steps=4, batch_size=4, init="none", device="cpu")
     real, calls = train_module.forward_loss, {"n": 0}
 
