@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .config import DATA_INITS, StudentSpec, check_lora_init, rate_at_rank
 from .config_checks import (MAX_LR, check_adapter, check_gguf_export, require_at_most, require_device,
                             require_non_negative, require_positive, require_seed)
+from .encodings import encoding_from_flags
 from .quant import get_preset
 
 EXPORT_FORMATS = ("packed", "dense", "both", "gguf", "compressed-tensors")
@@ -144,10 +145,7 @@ class DemoConfig:
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         check_lora_init(self.lora_init, folder_allowed=False)
-        if self.encoding not in ("sampled", "topk"):
-            raise ValueError(f"--encoding {self.encoding!r}: choose sampled or topk")
-        if not 1 <= self.num_samples <= 255:
-            raise ValueError(f"--num-samples {self.num_samples}: must be in [1, 255]")
+        encoding_from_flags(self.encoding, self.top_k, 16, self.num_samples)  # the cache's own checks, before downloads
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
         if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used

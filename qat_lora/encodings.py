@@ -199,6 +199,15 @@ def blocked_count_at_most(cdf: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return (chosen * block + inside).reshape(*lead, -1)
 
 
+def encoding_from_flags(name: str, top_k: int, value_bits: int, num_samples: int) -> TopKEncoding | SampledEncoding:
+    """The encoding `--encoding name` chooses. Every target flag is range-checked, the other encoding's too: a bad
+    value is refused even where it would not be used."""
+    chosen = {"sampled": SampledEncoding(num_samples), "topk": TopKEncoding(top_k, value_bits)}
+    if name not in chosen:
+        raise ValueError(f"--encoding {name!r}: choose sampled or topk")
+    return chosen[name]
+
+
 def make_encoding(params: dict) -> TopKEncoding | SampledEncoding:
     """The encoding a manifest (or the CLI) names."""
     kind = params.get("name")

@@ -40,7 +40,8 @@ BAD_VALUES = [
     (BUILD + ["--seq-len", "0"], "--seq-len 0: must be positive"),
     (BUILD + ["--holdout-fraction", "1.5"], "--holdout-fraction 1.5: must be in [0, 1)"),
     (BUILD + ["--value-bits", "7"], "--value-bits 7"),
-    (BUILD + ["--encoding", "zip"], "--encoding 'zip': choose topk or sampled"),
+    (BUILD + ["--encoding", "zip"], "--encoding 'zip': choose sampled or topk"),
+    (BUILD + ["--num-samples", "300"], "--num-samples 300: must be in [1, 255]"),
     (BUILD + ["--rank", "2", "--world-size", "2"], "--rank 2: must be in [0, --world-size 2)"),
     (BUILD + ["--dtype", "fp16"], "--dtype 'fp16': choose fp32 or bf16"),
     (BUILD + ["--text-encoding", "klingon"], "--text-encoding klingon: unknown encoding"),
@@ -58,6 +59,8 @@ BAD_VALUES = [
      "--qat 'full': choose one of"),
     (["demo", "--init", "best", "--work-dir", "{out}"], "--init 'best': choose one of"),
     (["demo", "--quant", "w5", "--work-dir", "{out}"], "unknown quantisation preset"),
+    (["demo", "--encoding", "topk32", "--work-dir", "{out}"], "--encoding 'topk32': choose sampled or topk"),
+    (["demo", "--num-samples", "0", "--work-dir", "{out}"], "--num-samples 0: must be in [1, 255]"),
 ]
 
 WRONG_PATHS = [
