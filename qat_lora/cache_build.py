@@ -16,7 +16,7 @@ import shutil
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -87,19 +87,6 @@ class _ShardWriter:
         self.pool.shutdown()
 
 
-# The target defaults before issue 30 made sampled N = 64 the default: a build started then, resumed by the
-# same command line, is told the flags that continue it.
-_EARLIER_TARGET_DEFAULTS = ({"encoding": "topk"}, {"num_samples": 50})
-
-
-def _earlier_default_hint(cfg: CacheBuildConfig, fingerprint: str | None) -> str:
-    for earlier in _EARLIER_TARGET_DEFAULTS:
-        if replace(cfg, **earlier).fingerprint() == fingerprint:
-            return " (it began under an earlier default: add " + " ".join(
-                f"--{name.replace('_', '-')} {value}" for name, value in earlier.items()) + ")"
-    return ""
-
-
 def _load_progress(cfg: CacheBuildConfig, out: Path, corpus: str) -> dict:
     """This rank's progress record: fresh, or (--resume) the interrupted build's, refused when its arguments, its
     corpus or its shards changed since (the teacher is checked once loaded: `_check_teacher`). Cheap checks
@@ -112,7 +99,7 @@ def _load_progress(cfg: CacheBuildConfig, out: Path, corpus: str) -> dict:
     progress = json.loads(path.read_text())
     if progress.get("fingerprint") != cfg.fingerprint():
         raise ValueError(f"--resume: {out} was built with other arguments; rerun with the same flags"
-                         f"{_earlier_default_hint(cfg, progress.get('fingerprint'))} or --overwrite")
+                         f"{cfg.earlier_default_hint(progress.get('fingerprint'))} or --overwrite")
     # Progress records from before the identities were kept hold no corpus_sha256: nothing to compare.
     if progress.setdefault("corpus_sha256", corpus) != corpus:
         raise ValueError(f"--data {' '.join(cfg.data)}: the corpus changed since this build started; rebuild with "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .config import TextInput, _require_non_negative, _require_positive
 from .config_checks import require_seed
@@ -63,6 +63,8 @@ _LATER_BUILD_FIELDS = {"dtype": "fp32", "matmul_precision": "default", "num_chip
 # The other encoding's flags change nothing in a cache: fingerprinted at their defaults from before sampled
 # became the default encoding (when --num-samples was 50), so a build from then resumes and they never matter.
 _UNUSED_BY_ENCODING = {"topk": {"num_samples": 50}, "sampled": {"top_k": 64, "value_bits": 16}}
+# The target defaults before then: a build begun under them and resumed by the same command line is told the flag.
+_EARLIER_TARGET_DEFAULTS = ({"encoding": "topk"}, {"num_samples": 50})
 
 
 @dataclass
@@ -142,3 +144,11 @@ class CacheBuildConfig(TextInput):
                 del args[name]
         args.update(_UNUSED_BY_ENCODING.get(self.encoding, {}))
         return hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
+
+    def earlier_default_hint(self, fingerprint: str | None) -> str:
+        """" (... add --encoding topk)" when `fingerprint` is these flags under an earlier default, else ""."""
+        for earlier in _EARLIER_TARGET_DEFAULTS:
+            if replace(self, **earlier).fingerprint() == fingerprint:
+                flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in earlier.items())
+                return f" (it began under an earlier default: add {flags})"
+        return ""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .config import DATA_INITS, StudentSpec, check_lora_init, rate_at_rank
 from .config_checks import (MAX_LR, check_adapter, check_gguf_export, require_at_most, require_device,
                             require_non_negative, require_positive, require_seed)
+from .config_data import CacheBuildConfig
 from .encodings import encoding_from_flags
 from .quant import get_preset
 
@@ -145,7 +146,8 @@ class DemoConfig:
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         check_lora_init(self.lora_init, folder_allowed=False)
-        encoding_from_flags(self.encoding, self.top_k, 16, self.num_samples)  # the cache's own checks, before downloads
+        # The cache's own checks, before anything downloads (the demo keeps build-cache's --value-bits).
+        encoding_from_flags(self.encoding, self.top_k, CacheBuildConfig.value_bits, self.num_samples)
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
         if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used

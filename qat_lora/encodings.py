@@ -128,7 +128,7 @@ class SampledEncoding:
         by `seeds` (a row's draws never depend on which rows share its batch, and CPU, CUDA and XLA draw the
         same tokens up to the logits' rounding); only the [B, L, N] ids leave the device, in one transfer.
         """
-        cdf = torch.softmax(logits.float(), dim=-1).cumsum(-1)
+        cdf = torch.softmax(logits.float(), dim=-1).cumsum_(-1)  # in place: one [B, L, V] float tensor, not two
         batch, length, vocab = cdf.shape
         uniforms = torch.zeros(batch, length, self.num_samples)
         for row, seed in enumerate(seeds):
@@ -209,7 +209,7 @@ def encoding_from_flags(name: str, top_k: int, value_bits: int, num_samples: int
 
 
 def make_encoding(params: dict) -> TopKEncoding | SampledEncoding:
-    """The encoding a manifest (or the CLI) names."""
+    """The encoding a manifest names (the CLI's flags: `encoding_from_flags`)."""
     kind = params.get("name")
     if kind == "topk":
         return TopKEncoding(params["top_k"], params.get("value_bits", 32))
