@@ -25,6 +25,9 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
     ce-only                recovery LoRA on plain next-token cross-entropy, no teacher (alpha = 0)
     qat                    the quantiser's own parameters (scales, zeros, codebooks) trained by KD
     qat+lora               qat, then recovery LoRA on top of its quantiser (tokens and wall time of both stages)
+    lora-qat               recovery LoRA and the quantiser's scales and zeros trained together, one stage (`train
+                           --preset qat+lora`; the scales at --lr x --quantizer-lr-ratio); the adapter ships
+                           with the trained grid
     weight-qat             the latent weights with the quantiser (STE; weights at --weight-lr), saved on the grid
     weight-qat+lora        weight-qat, then recovery LoRA on top of it
 
@@ -98,7 +101,7 @@ DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq", "ptq-blockwise": "blockwise"
 TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {}, "lora-sampled": {},
            "lora-topk-wide": {}, "lora-online": {},
            "lora-topk-tail-ce": {"alpha": 0.5}, "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {},
-           "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}}
+           "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}, "lora-qat": {"preset": "qat+lora"}}
 CHAINS = {"qat+lora": "qat", "weight-qat+lora": "weight-qat"}  # chained method -> its first stage
 # The cache each method trains on (default: the top-K cache); every cache holds the same token sequences, so the
 # rows differ only in their targets. lora-online reads the top-K cache's tokens and ignores its targets.
@@ -149,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Scales here are ~0.1 (SmolLM2 w3g64 median 0.12) and Adam moves each by about lr per step: 5e-4 is a
     # <= 0.5 % change per step where LoRA's 2e-3 would be 2 %.
     p.add_argument("--qat-lr", type=float, default=5e-4, help="peak learning rate of the quantiser parameters (qat)")
+    p.add_argument("--quantizer-lr-ratio", type=float, default=0.1,
+                   help="lora-qat: the scales' and zeros' learning rate as a fraction of --lr (1e-4 at lr 1e-3: "
+                        "~0.1 %% of a scale per step)")
     p.add_argument("--weight-lr", type=float, default=2e-3,
                    help="peak learning rate of the latent weights (weight-qat; grid steps here are ~0.03-0.1)")
     p.add_argument("--start", default="preset", choices=STARTS,
@@ -413,6 +419,8 @@ def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) ->
         fields["weight_lr_ratio"] = args.weight_lr / args.qat_lr
     if row.method == "lora-online":
         fields["online_teacher"] = args.teacher
+    if row.method == "lora-qat":
+        fields["quantizer_lr_ratio"] = args.quantizer_lr_ratio
     fields = {**fields, **TRAINED[row.method]}
     if args.lora_init != "zero" and "lora" in TRAIN_PRESETS[fields.get("preset", "recovery-lora")]:
         fields["lora_init"] = args.lora_init  # only when not the default: earlier rows keep their keys

@@ -125,6 +125,9 @@ class TrainConfig(StudentSpec):
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (never applied to latent weights)"})
     weight_lr_ratio: float = field(default=0.1, metadata={"help": "weight-qat: learning rate of the latent weights "
                                                                   "as a fraction of --lr"})
+    quantizer_lr_ratio: float = field(default=1.0, metadata={"help": "qat, qat+lora, weight-qat: learning rate of the "
+                                                                     "quantiser's scales and zeros as a fraction of "
+                                                                     "--lr (qat+lora: the adapter keeps --lr)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (inf: no clipping)"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
@@ -197,8 +200,10 @@ class TrainConfig(StudentSpec):
         require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps")
         require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
         require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", "warmup_steps", note=" (0 = off)")
-        require_positive(self, "lr", "weight_lr_ratio", "lora_alpha", "temperature", "dist_timeout_s", finite=True)
-        require_at_most(self, lr=MAX_LR, temperature=MAX_TEMPERATURE, weight_lr_ratio=MAX_LR_RATIO)
+        require_positive(self, "lr", "weight_lr_ratio", "quantizer_lr_ratio", "lora_alpha", "temperature",
+                         "dist_timeout_s", finite=True)
+        require_at_most(self, lr=MAX_LR, temperature=MAX_TEMPERATURE, weight_lr_ratio=MAX_LR_RATIO,
+                        quantizer_lr_ratio=MAX_LR_RATIO)
         # clip_grad_norm_ scales by max_norm / norm capped at 1: a negative norm reverses the update, 0 erases it;
         # inf is a valid "no clipping" (the factor caps at 1).
         require_positive(self, "max_grad_norm", "lora_r")

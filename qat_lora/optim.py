@@ -6,6 +6,7 @@ import math
 import torch
 
 from .config import TrainConfig
+from .quant import quantizer_parameters
 from .student import latent_weights
 
 
@@ -19,10 +20,15 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
                     ) -> torch.optim.Optimizer:
-    """AdamW; trained latent weights (weight-qat) get --lr x --weight-lr-ratio and no weight decay: decay would
-    pull them towards zero, off the grid the quantiser was fitted to."""
+    """AdamW in up to three groups: the adapter (--lr), the quantisers' scales and zeros (--lr x
+    --quantizer-lr-ratio: a scale is ~1e-2, so the adapter's absolute step would move a 2-bit grid by a tenth per
+    step) and trained latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
+    decay would pull them towards zero, off the grid the quantiser was fitted to."""
     weights = {id(p) for p in latent_weights(model) if p.requires_grad}
-    groups = [{"params": [p for p in params.values() if id(p) not in weights]},
+    quantizer = {id(p) for p in quantizer_parameters(model) if p.requires_grad}
+    groups = [{"params": [p for p in params.values() if id(p) not in weights | quantizer]},
+              {"params": [p for p in params.values() if id(p) in quantizer], "lr": cfg.lr * cfg.quantizer_lr_ratio,
+               "weight_decay": 0.0},
               {"params": [p for p in params.values() if id(p) in weights], "lr": cfg.lr * cfg.weight_lr_ratio,
                "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay)

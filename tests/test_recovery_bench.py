@@ -18,7 +18,7 @@ REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", 
 # Every method but lora-topk-renorm (the same trainer with one more TrainConfig flag), to stay under a minute.
 METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "ptq-blockwise",
            "lora-topk-tail", "lora-sampled", "lora-topk-wide", "lora-online", "lora-topk-tail-ce", "ce-only", "qat",
-           "qat+lora", "weight-qat", "weight-qat+lora")
+           "qat+lora", "weight-qat", "weight-qat+lora", "lora-qat")
 
 
 def _load_script():
@@ -135,6 +135,15 @@ def test_tokens_and_stages(first_run):
     assert online["cache_encoding"] == {"name": "online"} and online["cache_bytes_per_token"] == 5
     assert json.loads((Path(online["run_dir"]) / "config.json").read_text())["online_teacher"] == \
         json.loads((Path(lora["run_dir"]) / "config.json").read_text())["model"]
+    # lora-qat: one stage training the adapter and the scales/zeros together, the scales at --lr x the ratio;
+    # the student evaluated is that run's adapter over that run's quantiser
+    joint = by["lora-qat"]
+    assert [s["train_preset"] for s in joint["stages"]] == ["qat+lora"] and joint["lora_r"] == 4
+    config = json.loads((Path(joint["run_dir"]) / "config.json").read_text())
+    assert config["preset"] == "qat+lora" and config["quantizer_lr_ratio"] == 0.1 and config["lr"] == 3e-3
+    assert joint["stages"][0]["quantizer"] == str(Path(joint["run_dir"]) / "quantizer.safetensors")
+    assert joint["stages"][0]["adapter"] == str(Path(joint["run_dir"]) / "adapter")
+    assert joint["ppl"] not in (lora["ppl"], by["qat"]["ppl"])
 
 
 def _teacher_and_lora_into_own_results(tiny_args, tmp_path) -> tuple[list[str], Path]:
@@ -166,12 +175,15 @@ def test_calibrated_lora_start_is_its_own_row(recovery, first_run, tiny_args, tm
     # --lora-init calibrated: a new key and run (the zero-start rows keep theirs), recorded per stage and marked in
     # the table's lr column.
     args, results = _teacher_and_lora_into_own_results(tiny_args, tmp_path)
+    args.insert(args.index("lora-topk-tail") + 1, "lora-qat")  # the joint adapter + scales stage starts calibrated too
     out = recovery.main(args + ["--lora-init", "calibrated"])
-    calibrated = [r for r in out["records"] if r["method"] == "lora-topk-tail"
-                  and r["stages"][0].get("lora_init") == "calibrated"]
-    zero = _by_method(first_run["records"])["lora-topk-tail"]
-    assert len(calibrated) == 1 and calibrated[0]["key"] != zero["key"] and "lora_init" not in zero["stages"][0]
-    assert json.loads((Path(calibrated[0]["run_dir"]) / "config.json").read_text())["lora_init"] == "calibrated"
+    zero = _by_method(first_run["records"])
+    for method in ("lora-topk-tail", "lora-qat"):
+        calibrated = [r for r in out["records"] if r["method"] == method
+                      and r["stages"][0].get("lora_init") == "calibrated"]
+        assert len(calibrated) == 1 and calibrated[0]["key"] != zero[method]["key"]
+        assert "lora_init" not in zero[method]["stages"][0]
+        assert json.loads((Path(calibrated[0]["run_dir"]) / "config.json").read_text())["lora_init"] == "calibrated"
     assert " cal. |" in results.with_suffix(".md").read_text()
 
 

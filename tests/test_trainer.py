@@ -95,16 +95,30 @@ def test_moved_weights_are_saved_as_codes_and_reload_exactly(teacher_dir, tmp_pa
         build_student(StudentSpec(str(teacher_dir), "w2g32", str(bad)))
 
 
-def test_weight_qat_latent_weights_get_their_own_learning_rate(teacher_dir, cache_dir, tmp_path):
-    cfg = _cfg(teacher_dir, cache_dir, tmp_path, preset="weight-qat", lr=1e-3, weight_lr_ratio=0.25, weight_decay=0.1)
+def test_latent_weights_and_quantisers_get_their_own_learning_rates(teacher_dir, cache_dir, tmp_path):
+    cfg = _cfg(teacher_dir, cache_dir, tmp_path, preset="weight-qat", lr=1e-3, weight_lr_ratio=0.25,
+               quantizer_lr_ratio=0.5, weight_decay=0.1)
     model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), "weight-qat")
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     quant_group, weight_group = build_optimizer(cfg, model, params).param_groups
     assert {id(p) for p in weight_group["params"]} == {id(w) for w in latent_weights(model)}
+    assert {id(p) for p in quant_group["params"]} == {id(q) for q in quantizer_parameters(model)}
     assert weight_group["lr"] == 2.5e-4 and weight_group["weight_decay"] == 0.0
-    assert quant_group["lr"] == 1e-3 and quant_group["weight_decay"] == 0.1
-    with pytest.raises(ValueError, match="--weight-lr-ratio"):
-        _cfg(teacher_dir, cache_dir, tmp_path, weight_lr_ratio=0.0)
+    assert quant_group["lr"] == 5e-4 and quant_group["weight_decay"] == 0.0  # decay would pull the grid to 0
+    # qat+lora: the adapter at --lr with decay, the scales and zeros at their own rate
+    cfg = _cfg(teacher_dir, cache_dir, tmp_path, preset="qat+lora", lr=1e-3, quantizer_lr_ratio=0.05,
+               weight_decay=0.1)
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), "qat+lora", lora_r=4)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    lora_group, quant_group = build_optimizer(cfg, model, params).param_groups
+    assert lora_group["params"] and all("lora_" in n for n, p in params.items()
+                                        if id(p) in {id(q) for q in lora_group["params"]})
+    assert lora_group["lr"] == 1e-3 and lora_group["weight_decay"] == 0.1
+    assert quant_group["lr"] == 5e-5 and quant_group["weight_decay"] == 0.0
+    assert len(lora_group["params"]) + len(quant_group["params"]) == len(params)
+    for flag in ("weight_lr_ratio", "quantizer_lr_ratio"):
+        with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
+            _cfg(teacher_dir, cache_dir, tmp_path, **{flag: 0.0})
 
 
 def _heldout(teacher_dir, cache_dir, run: Path | None, quantizer: Path | None = None) -> float:
