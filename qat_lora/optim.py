@@ -21,8 +21,8 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
                     ) -> torch.optim.Optimizer:
     """AdamW in up to three groups: the adapter (--lr), the quantisers' scales and zeros (--lr x
-    --quantizer-lr-ratio: a scale is ~1e-2, so the adapter's absolute step would move a 2-bit grid by a tenth per
-    step) and trained latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
+    --quantizer-lr-ratio: Adam moves each parameter by about its rate per step, and a scale here is ~0.1, so the
+    adapter's rate would move a grid by 1-2 % per step) and trained latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
     decay would pull them towards zero, off the grid the quantiser was fitted to."""
     weights = {id(p) for p in latent_weights(model) if p.requires_grad}
     quantizer = {id(p) for p in quantizer_parameters(model) if p.requires_grad}

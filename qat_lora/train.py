@@ -260,6 +260,12 @@ def _restore(run: _Run, path: Path) -> None:
     saved = tensors[ckpt.TRAINABLE_FILE]
     for name, p in run.params.items():
         p.copy_(saved[name].to(p.device, p.dtype))
+    groups = len(state["optimizer"]["param_groups"])
+    if groups != len(run.optimizer.param_groups):  # torch would say only "different number of parameter groups"
+        raise ValueError(f"--resume: {path.name} holds {groups} optimizer group(s), this run has "
+                         f"{len(run.optimizer.param_groups)} (a --preset {run.cfg.preset} run written before its "
+                         "quantiser had its own learning rate); finish it with the qat-lora version that wrote it, "
+                         "or pass --overwrite to start again")
     run.optimizer.load_state_dict(ckpt.optimizer_from_flat(tensors[ckpt.OPTIMIZER_FILE], state["optimizer"]))
     run.scheduler.load_state_dict(state["scheduler"])
     prefix = f"rank{run.backend.rank}."

@@ -83,3 +83,19 @@ def test_broken_state_or_missing_file_is_not_resumed(fault, reference, tmp_path)
         (target / "optimizer.safetensors").unlink()
     assert ckpt.checkpoint_problem(target) is not None
     assert ckpt.find_resume_point(run, "auto", log=lambda _: None) == run / "checkpoint-2"
+
+
+def test_a_checkpoint_with_other_optimizer_groups_is_refused_by_name(teacher_dir, cache_dir, tmp_path):
+    """A qat+lora checkpoint from before the quantiser had its own group (one group for adapter and scales) is
+    refused in one line naming it, not with torch's bare group-count error."""
+    run = tmp_path / "run"
+    train(_cfg(teacher_dir, cache_dir, run, preset="qat+lora", max_steps=3), log=lambda _: None)
+    saved = ckpt.list_checkpoints(run)[-1]
+    state = json.loads((saved / ckpt.STATE_FILE).read_text())
+    groups = state["optimizer"]["param_groups"]
+    assert len(groups) == 2  # the adapter, then the scales and zeros
+    state["optimizer"]["param_groups"] = [{**groups[0], "params": groups[0]["params"] + groups[1]["params"]}]
+    (saved / ckpt.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=rf"{saved.name} holds 1 optimizer group\(s\), this run has 2 .*--overwrite"):
+        train(_cfg(teacher_dir, cache_dir, run, preset="qat+lora", max_steps=3, resume=str(saved)),
+              log=lambda _: None)
