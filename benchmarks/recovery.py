@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-seq-len", type=int, default=512, help="perplexity context (<= the model's)")
     p.add_argument("--seed", type=int, default=0, help="seed of LoRA init and data order")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, xla or tpu")
+    p.add_argument("--precision", default="auto", choices=dev.PRECISIONS,
+                   help="training autocast: auto = bf16 on CUDA and TPU, fp32 on the CPU; bf16 rows get keys of their "
+                        "own (fp32 to compare a GPU row with the CPU rows)")
     return p
 
 
@@ -422,6 +425,8 @@ def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) ->
     if row.method == "lora-qat":
         fields["quantizer_lr_ratio"] = args.quantizer_lr_ratio
     fields = {**fields, **TRAINED[row.method]}
+    if getattr(args, "train_precision", "fp32") == "bf16":
+        fields["precision"] = "bf16"
     if args.lora_init != "zero" and "lora" in TRAIN_PRESETS[fields.get("preset", "recovery-lora")]:
         fields["lora_init"] = args.lora_init  # only when not the default: earlier rows keep their keys
     return [fields]
@@ -500,10 +505,11 @@ def train_stage(args: argparse.Namespace, row: Row, fields: dict) -> dict:
     out = run_dir(args, row, fields)
     # A checkpoint every quarter of the run, at most 100 steps apart: a long row killed at a session's end
     # loses minutes, not a quarter of its hours.
-    summary = train(TrainConfig(**fields, out=out, device=args.device, resume="auto",
+    summary = train(TrainConfig(**{"precision": "fp32", **fields}, out=out, device=args.device, resume="auto",
                                 save_steps=max(1, min(args.max_steps // 4, 100)),
                                 keep_checkpoints=1, log_steps=max(1, args.max_steps // 50)))
     return {"run_dir": out, "train_preset": fields.get("preset", "recovery-lora"), "lr": fields["lr"],
+            "precision": fields.get("precision", "fp32"),
             **({"lora_init": fields["lora_init"]} if "lora_init" in fields else {}),
             "steps": summary["steps"], "tokens": summary["tokens"], "wall_s": summary["wall_s"],  # all processes
             "tokens_per_s": summary["tokens_per_s"], "adapter": summary["adapter"],
@@ -849,6 +855,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     try:
         validate(args)
         device = dev.resolve_device(args.device)
+        # Resolved once: `auto` means bf16 on CUDA, and a row's key must say so (fp32 rows keep their old keys).
+        args.train_precision = "bf16" if dev.autocast_dtype(device, args.precision) else "fp32"
     except ValueError as e:
         parser.error(str(e))
     json_path = Path(args.json)

@@ -187,6 +187,18 @@ def test_calibrated_lora_start_is_its_own_row(recovery, first_run, tiny_args, tm
     assert " cal. |" in results.with_suffix(".md").read_text()
 
 
+def test_bf16_training_is_its_own_row(recovery, first_run, tiny_args, tmp_path):
+    # --precision bf16 (what `auto` means on CUDA) trains under bf16 autocast: a new key and run, the precision in
+    # the run's config and the record; rows trained in fp32 keep their keys and say fp32.
+    args, _ = _teacher_and_lora_into_own_results(tiny_args, tmp_path)
+    bf16 = _by_method(recovery.main(args + ["--precision", "bf16"])["records"])["lora-topk-tail"]
+    fp32 = _by_method(first_run["records"])["lora-topk-tail"]
+    assert bf16["key"] != fp32["key"] and bf16["stages"][0]["precision"] == "bf16"
+    assert fp32["stages"][0]["precision"] == "fp32"
+    assert json.loads((Path(bf16["run_dir"]) / "config.json").read_text())["precision"] == "bf16"
+    assert json.loads((Path(fp32["run_dir"]) / "config.json").read_text())["precision"] == "fp32"
+
+
 def test_act_order_gptq_is_its_own_init(recovery, first_run, tiny_args, tmp_path):
     args, _ = _teacher_and_lora_into_own_results(tiny_args, tmp_path)
     by = _by_method(recovery.main(args + ["--start", "gptq", "--act-order"])["records"])
