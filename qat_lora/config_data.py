@@ -49,6 +49,9 @@ class GenerateDataConfig(TextInput):
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.shard_samples > 1000:  # batch seeds are seed + 1000 * shard + batch start: keep them distinct
             raise ValueError(f"--shard-samples {self.shard_samples}: at most 1000")
+        if self.batch_size > self.shard_samples:  # a generate call never spans two shards: it would be capped
+            raise ValueError(f"--batch-size {self.batch_size}: larger than --shard-samples {self.shard_samples}, "
+                             f"which caps each generate call; pass --shard-samples {self.batch_size} (or more) too")
         require_seed(self.seed)
         self.text_decoding()
 
