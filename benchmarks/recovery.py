@@ -47,7 +47,8 @@ reused by every run through TrainConfig.quantizer:
 
     python benchmarks/recovery.py --ranks 16 --presets w3g64 w2g32 --budget-name cpu-small
 
-GPU, full budget (~5 M training tokens per run, every preset, method and rank):
+GPU, full budget (~5 M training tokens per run, every preset, method and rank; training under bf16 autocast, as
+`--precision auto` means on CUDA: pass `--precision fp32` for rows that compare with the CPU's):
 
     python benchmarks/recovery.py --device cuda --budget-name gpu-5m --max-steps 1200 --batch-size 8 \\
         --seq-len 512 --cache-tokens 5000000 --eval-tokens 65536
