@@ -21,10 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qat_lora import data, models
-from qat_lora.cache_build import build_cache
-from qat_lora.config_data import CacheBuildConfig
-from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
+from qat_lora.data import text as data
+
+from qat_lora.data import models
+from qat_lora.cache.builder import build_cache
+from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encode_rows
 
 ENCODINGS = [TopKEncoding(k, bits) for k in (32, 64, 128) for bits in (32, 16, 8)] + \
             [SampledEncoding(n) for n in (25, 50, 100)]

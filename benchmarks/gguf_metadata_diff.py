@@ -29,8 +29,8 @@ def main() -> None:
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
-    from qat_lora.gguf_arch import add_metadata, gguf_architecture
-    from qat_lora.gguf_vocab import add_tokenizer
+    from qat_lora.export.gguf.arch import add_metadata, gguf_architecture
+    from qat_lora.export.gguf.vocab import add_tokenizer
     from llama_cpp_check import write_record  # this script's folder is on sys.path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -43,15 +43,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qat_lora import data
-from qat_lora.assets import Assets, default_assets_dir
-from qat_lora.config import StudentSpec
-from qat_lora.gguf_export import GGUF_FILE, save_gguf
-from qat_lora.gguf_lora import ADAPTER_FILE, save_gguf_lora
-from qat_lora.lora import add_recovery_lora_
-from qat_lora.metrics import perplexity
-from qat_lora.models import load_tokenizer, sequence_prefix
-from qat_lora.student import load_student
+from qat_lora.data import text as data
+from qat_lora.data.assets import Assets, default_assets_dir
+from qat_lora.train.config import StudentSpec
+from qat_lora.export.gguf.writer import GGUF_FILE, save_gguf
+from qat_lora.export.gguf.lora import ADAPTER_FILE, save_gguf_lora
+from qat_lora.train.lora import add_recovery_lora_
+from qat_lora.train.metrics import perplexity
+from qat_lora.data.models import load_tokenizer, sequence_prefix
+from qat_lora.train.student import load_student
 
 ASSETS = Assets.at(default_assets_dir())
 
@@ -128,8 +128,8 @@ def emulate_llama_cpp_arithmetic_(student) -> None:
     """Make the student compute as llama.cpp's CPU kernels do, to tell their rounding from an export error:
     embeddings and head rounded to F16 (as stored), and every quantised linear's input quantised to 8 bits per
     block (Q8_K: 256 for K-quant layers, Q8_0: 32 otherwise; scale = max |x| / 127), as ggml's dot products take it."""
-    from qat_lora.quant import FakeQuantLinear
-    from qat_lora.quant_init import snap_fp16
+    from qat_lora.quant.fake_quant import FakeQuantLinear
+    from qat_lora.quant.inits import snap_fp16
 
     def q8(x: torch.Tensor, block: int) -> torch.Tensor:
         blocks = x.reshape(-1, block)

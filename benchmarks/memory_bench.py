@@ -192,8 +192,8 @@ def _random_model(name: str, layers: int, seq_len: int, dtype: torch.dtype = tor
 
 
 def _student(spec: dict, storage: str, attn: str = "sdpa"):
-    from qat_lora.quant import quantize_
-    from qat_lora.student import make_trainable_, set_storage_dtype_
+    from qat_lora.quant.fake_quant import quantize_
+    from qat_lora.train.student import make_trainable_, set_storage_dtype_
 
     model = _random_model(spec["config"], spec["layers"], spec["seq_len"], attn=attn)
     model = make_trainable_(quantize_(model, QUANT), "recovery-lora", LORA_R, 2.0 * LORA_R)
@@ -242,9 +242,9 @@ class _AnonPeak:
 
 def cpu_child(spec: dict) -> dict:
     """One CPU memory measurement (module docstring); bytes relative to the resident set before the model."""
-    from qat_lora.cache_build import _teacher_to
-    from qat_lora.encodings import TopKEncoding
-    import qat_lora.loss, qat_lora.quant, qat_lora.student, peft  # noqa: F401, E401 (imported before the baseline)
+    from qat_lora.cache.builder import _teacher_to
+    from qat_lora.cache.encodings import TopKEncoding
+    import qat_lora.train.loss, qat_lora.quant.fake_quant, qat_lora.train.student, peft  # noqa: F401, E401 (imported before the baseline)
 
     cpu, mode = torch.device("cpu"), spec["mode"]
     baseline, anon = _rss(), _AnonPeak()
@@ -276,7 +276,7 @@ def _held(tensors: list[torch.Tensor]) -> dict[str, int]:
     """{device: bytes} of `tensors`, read from each device's own buffers one tensor at a time (a shard's copy
     comes to the host: tensor by tensor keeps that small); sharding.held_bytes where this tree has it, else the
     shapes the shardings give (sharding.device_bytes, the same on every device)."""
-    from qat_lora import sharding
+    from qat_lora.runtime import sharding
 
     if not hasattr(sharding, "held_bytes"):
         return {"xla:0": sharding.device_bytes(tensors)}
@@ -294,9 +294,9 @@ def fsdp_child(spec: dict) -> dict:
 
     import torch_xla
 
-    from qat_lora.loss import KDLossConfig, forward_loss
-    from qat_lora.quant import FakeQuantLinear
-    from qat_lora.sharding import FsdpBackend, device_bytes
+    from qat_lora.train.loss import KDLossConfig, forward_loss
+    from qat_lora.quant.fake_quant import FakeQuantLinear
+    from qat_lora.runtime.sharding import FsdpBackend, device_bytes
 
     backend = FsdpBackend()  # before any XLA work: SPMD on
     device = torch_xla.device()
@@ -511,7 +511,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _write(path: Path, result: dict) -> None:
-    from qat_lora.files import atomic_write_json
+    from qat_lora.runtime.files import atomic_write_json
 
     atomic_write_json(path, result)
 

@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qat_lora import quant, quant_init
-from qat_lora.calibration import activation_importance
-from qat_lora.assets import Assets, default_assets_dir
-from qat_lora.metrics import perplexity
-from qat_lora.models import load_causal_lm, load_tokenizer
-from qat_lora.quant import FakeQuantLinear, get_preset, quantize_
+from qat_lora.quant import fake_quant as quant
+
+from qat_lora.quant import inits as quant_init
+from qat_lora.quant.calibration import activation_importance
+from qat_lora.data.assets import Assets, default_assets_dir
+from qat_lora.train.metrics import perplexity
+from qat_lora.data.models import load_causal_lm, load_tokenizer
+from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset, quantize_
 
 ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override with --teacher / --eval-text
 SHAPES = ((576, 576), (576, 1536), (1536, 576))  # SmolLM2-135M: attention/o_proj, up/gate, down (in, out)
@@ -90,7 +92,7 @@ def fp32_scales():
 
 def _calibration_batches(teacher: str, calib_text: str, seq_len: int, num_batches: int) -> list[torch.Tensor]:
     """`num_batches` x [4, seq_len] input_ids from the training text (never the eval text)."""
-    from qat_lora import data
+    from qat_lora.data import text as data
 
     stream = data.token_stream(data.list_text_files([calib_text]), load_tokenizer(teacher), 4 * seq_len * num_batches)
     ids, _ = data.pack(stream, seq_len)
@@ -134,7 +136,7 @@ def run_ppl(presets: list[str], teacher_row: bool, with_fp32: bool, tokens: int,
 
 
 def _bpw(model) -> float:
-    from qat_lora.export import bits_per_weight
+    from qat_lora.export.exporter import bits_per_weight
 
     return round(bits_per_weight(model), 4)
 

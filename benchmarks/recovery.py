@@ -76,22 +76,26 @@ from typing import Sequence
 
 import torch
 
-from qat_lora import data, device as dev, models
-from qat_lora.assets import Assets, default_assets_dir
-from qat_lora.teachers import TEACHERS
-from qat_lora.cache import MANIFEST, TOKEN_BYTES, KDCache, inspect_cache
-from qat_lora.cache_build import build_cache
-from qat_lora.config import LORA_INITS, TRAIN_PRESETS, QuantizeConfig, StudentSpec, TrainConfig
-from qat_lora.config_data import CacheBuildConfig
-from qat_lora.encodings import SampledEncoding, TopKEncoding, encode_rows
-from qat_lora.export import adapter_bits_per_weight, bits_per_weight
-from qat_lora.files import atomic_write_json
-from qat_lora.metrics import kd_metrics, perplexity
-from qat_lora.ptq import quantize
-from qat_lora.quant import PRESETS, get_preset, quant_config_dict, quantize_
-from qat_lora.runs import read_metrics
-from qat_lora.student import build_student, load_student, quantizer_state_dict, resolve_attn
-from qat_lora.train import train
+from qat_lora.data import text as data
+
+from qat_lora.runtime import device as dev
+
+from qat_lora.data import models
+from qat_lora.data.assets import Assets, default_assets_dir
+from qat_lora.data.teachers import TEACHERS
+from qat_lora.cache.reader import MANIFEST, TOKEN_BYTES, KDCache, inspect_cache
+from qat_lora.cache.builder import build_cache
+from qat_lora.train.config import LORA_INITS, TRAIN_PRESETS, QuantizeConfig, StudentSpec, TrainConfig
+from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encode_rows
+from qat_lora.export.exporter import adapter_bits_per_weight, bits_per_weight
+from qat_lora.runtime.files import atomic_write_json
+from qat_lora.train.metrics import kd_metrics, perplexity
+from qat_lora.commands.quantize import quantize
+from qat_lora.quant.fake_quant import PRESETS, get_preset, quant_config_dict, quantize_
+from qat_lora.runtime.runs import read_metrics
+from qat_lora.train.student import build_student, load_student, quantizer_state_dict, resolve_attn
+from qat_lora.train.trainer import train
 
 ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override with --teacher/--train-text/--eval-text
 PTQ_INITS = {"ptq-rtn": "rtn", "ptq-init": "mse", "ptq-hqq": "hqq"}  # QuantConfig.init of each PTQ row

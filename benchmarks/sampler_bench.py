@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from qat_lora.encodings import SampledEncoding, TopKEncoding, blocked_count_at_most
+from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, blocked_count_at_most
 
 
 def multinomial_draws(logits: torch.Tensor, seeds: list[int], n: int) -> list[torch.Tensor]:

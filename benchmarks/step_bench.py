@@ -56,8 +56,8 @@ from pathlib import Path
 
 import torch
 
-from qat_lora.quant import get_preset
-from qat_lora.config import TRAIN_PRESETS
+from qat_lora.quant.fake_quant import get_preset
+from qat_lora.train.config import TRAIN_PRESETS
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -87,8 +87,8 @@ def build_model(shape: str, seq_len: int, linear: str, preset: str, device: torc
     the same projections) or a quantisation preset, made trainable by `preset` (train.make_trainable_)."""
     from transformers import AutoModelForCausalLM
 
-    from qat_lora.quant import quantize_
-    from qat_lora.student import make_trainable_, resolve_attn
+    from qat_lora.quant.fake_quant import quantize_
+    from qat_lora.train.student import make_trainable_, resolve_attn
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(shape, seq_len),
@@ -110,7 +110,7 @@ def _attention_flops(config, seq_len: int) -> float:
 
 def step_flops_per_token(model, seq_len: int) -> float:
     """Model FLOPs per token of one training step: 4 N_frozen + 6 N_grad + attention (module docstring)."""
-    from qat_lora.quant import FakeQuantLinear
+    from qat_lora.quant.fake_quant import FakeQuantLinear
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     total = 3.0 * _attention_flops(base.config, seq_len)
@@ -147,7 +147,7 @@ def _wait(device: torch.device) -> None:
 
 
 def _graphs_compiled() -> int:
-    from qat_lora import device as dev
+    from qat_lora.runtime import device as dev
 
     return dev.compile_metrics().get("graphs_compiled", 0)
 
@@ -157,10 +157,10 @@ def time_steps(model, batch: dict, chunk: int, steps: int, device: torch.device,
     """Seconds of each of `steps` training steps (of `accumulation` micro-batches, as the trainer runs them:
     with `wq_once`, a trainable quantiser's Wq is built once per step) after the warm-up; returns (times,
     warm-up steps)."""
-    from qat_lora import device as dev
-    from qat_lora.loss import KDLossConfig
-    from qat_lora.quant import quantized_weights_once_per_step
-    from qat_lora.loss import forward_loss
+    from qat_lora.runtime import device as dev
+    from qat_lora.train.loss import KDLossConfig
+    from qat_lora.quant.fake_quant import quantized_weights_once_per_step
+    from qat_lora.train.loss import forward_loss
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
@@ -233,7 +233,7 @@ def _reset_peak(device: torch.device) -> int:
 
 def _child_device(name: str) -> tuple[torch.device, bool]:
     """The child's device; on the CPU the trainer's host-allocator tuning is applied first (returns whether)."""
-    from qat_lora import device as dev
+    from qat_lora.runtime import device as dev
 
     device = dev.resolve_device(name)
     return device, dev.tune_host_allocator() if device.type == "cpu" else False
@@ -243,8 +243,8 @@ def loss_child(spec: dict) -> dict:
     """lm_head + KD loss alone. On the CPU, the parent sets MALLOC_MMAP_THRESHOLD_ (see run_child) so that
     resident = live, and tune_host_allocator() is not called (it would keep freed blocks, and it is a no-op
     when that variable is set anyway): this figure compares the live peaks of the two loss forms."""
-    from qat_lora import device as dev
-    from qat_lora.loss import KDLossConfig, kd_loss, kd_loss_chunked
+    from qat_lora.runtime import device as dev
+    from qat_lora.train.loss import KDLossConfig, kd_loss, kd_loss_chunked
 
     device = dev.resolve_device(spec["device"])
     hidden_size, vocab = SHAPES[spec["shape"]]["hidden_size"], SHAPES[spec["shape"]]["vocab_size"]
@@ -262,7 +262,7 @@ def loss_child(spec: dict) -> dict:
 
 def step_child(spec: dict) -> dict:
     """One training-step configuration: median step time, FLOPs, peak memory (and XLA compile counts)."""
-    from qat_lora import device as dev
+    from qat_lora.runtime import device as dev
 
     device, tuned = _child_device(spec["device"])
     model = build_model(spec["shape"], spec["seq_len"], spec["linear"], spec["preset"], device)
@@ -309,7 +309,8 @@ def _synthetic_teacher(shape: str, seq_len: int, folder: Path, tokens: int) -> P
 def cache_child(spec: dict) -> dict:
     """cache_bench.throughput on a random teacher of the shape: forward-only vs build_cache, alternated."""
     from cache_bench import throughput  # benchmarks/ is this script's folder, hence on sys.path
-    from qat_lora import data, models
+    from qat_lora.data import text as data
+    from qat_lora.data import models
 
     device, tuned = _child_device(spec["device"])  # build_cache tunes too: the forward-only rounds must match
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from qat_lora.cache import TOKEN_BYTES
+from qat_lora.cache.reader import TOKEN_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def train_variant(args: argparse.Namespace, name: str, cache: str, out: Path) ->
              str(2.0 * args.lora_r), "--lr", str(args.lr), "--log-steps", "1", "--device", "cpu", "--overwrite"]
     if name.startswith("online"):
         flags += ["--online-teacher", args.teacher]
-    result = subprocess.run([sys.executable, "-m", "qat_lora.cli", "train", *flags], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "qat_lora", "train", *flags], capture_output=True, text=True,
                             timeout=3600)
     if result.returncode != 0:
         raise ValueError(f"--variant {name}:{cache}: training failed: {result.stderr.strip().splitlines()[-1]}")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         variants = parse_variants(args.variant)
     except ValueError as e:
         p.error(str(e))
-    from qat_lora.cache import inspect_cache
+    from qat_lora.cache.reader import inspect_cache
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.rounds):

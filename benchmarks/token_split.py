@@ -23,10 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from qat_lora import data, models
-from qat_lora.cache import KDCache
-from qat_lora.config import StudentSpec
-from qat_lora.student import load_student
+from qat_lora.data import text as data
+
+from qat_lora.data import models
+from qat_lora.cache.reader import KDCache
+from qat_lora.train.config import StudentSpec
+from qat_lora.train.student import load_student
 
 
 def training_ids(cache_dir: str) -> set[int]:

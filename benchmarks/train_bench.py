@@ -37,7 +37,7 @@ def _train(args, out: Path, num_chips: int) -> float:
              "--max-steps", str(args.steps), "--batch-size", str(args.batch_size), "--log-steps", "1",
              "--lora-r", str(args.lora_r), "--device", "cpu", "--overwrite"]
     cmd = ([sys.executable, str(ROOT / "scripts" / "train_recovery_lora_multi.py"), "--num-chips", str(num_chips)]
-           if num_chips > 1 else [sys.executable, "-m", "qat_lora.cli", "train"])
+           if num_chips > 1 else [sys.executable, "-m", "qat_lora", "train"])
     subprocess.run(cmd + flags, check=True, capture_output=True, timeout=3600)
     return _step_seconds(out, args.skip)
 
@@ -46,9 +46,9 @@ def _plain_peft_step(args) -> float:
     """Median seconds of a plain transformers + PEFT LoRA step (no quantisation, no KD) on the cache's batches."""
     from peft import LoraConfig, get_peft_model
 
-    from qat_lora.cache import KDCache
-    from qat_lora.device import tune_host_allocator
-    from qat_lora.models import load_causal_lm
+    from qat_lora.cache.reader import KDCache
+    from qat_lora.runtime.device import tune_host_allocator
+    from qat_lora.data.models import load_causal_lm
 
     tune_host_allocator()  # as `qat-lora train` does on the CPU: both sides run with the same allocator settings
     torch.manual_seed(0)
@@ -85,8 +85,8 @@ def main() -> None:
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()
     if not (args.work / "cache" / "manifest.json").exists():
-        from qat_lora.cache_build import build_cache
-        from qat_lora.config_data import CacheBuildConfig
+        from qat_lora.cache.builder import build_cache
+        from qat_lora.cache.config import CacheBuildConfig
 
         tokens = args.seq_len * args.batch_size * 2 * (args.steps + 2)
         build_cache(CacheBuildConfig(teacher=args.teacher, data=[args.text], out=str(args.work / "cache"),

@@ -21,8 +21,8 @@ CHILD = """
 import json, sys, time
 import torch, torch_xla
 import torch_xla.core.xla_model as xm
-from qat_lora import device as dev
-from qat_lora.loss import KDLossConfig, kd_loss_chunked
+from qat_lora.runtime import device as dev
+from qat_lora.train.loss import KDLossConfig, kd_loss_chunked
 
 positions, chunk, vocab, hidden, k = map(int, sys.argv[1:6])
 device = torch_xla.device()

@@ -5,9 +5,9 @@ Pipeline: `build_cache` (teacher top-K targets) -> `quantize_` (fake-quant stude
 """
 __version__ = "0.1.0"
 
-from .quant import PRESETS, FakeQuantLinear, QuantConfig, get_preset, quantize_  # noqa: E402
-from .loss import KDLossConfig, kd_loss  # noqa: E402
-from .lora import add_recovery_lora_  # noqa: E402
+from qat_lora.quant.fake_quant import PRESETS, FakeQuantLinear, QuantConfig, get_preset, quantize_  # noqa: E402
+from qat_lora.train.loss import KDLossConfig, kd_loss  # noqa: E402
+from qat_lora.train.lora import add_recovery_lora_  # noqa: E402
 
 __all__ = ["__version__", "PRESETS", "FakeQuantLinear", "QuantConfig", "get_preset", "quantize_",
            "KDLossConfig", "kd_loss", "add_recovery_lora_"]

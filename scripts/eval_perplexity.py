@@ -2,7 +2,7 @@
 import os
 import sys
 
-from qat_lora.cli import main
+from qat_lora.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(script=os.path.basename(__file__), argv=["eval", *sys.argv[1:]]))

@@ -13,7 +13,7 @@ cache; the global batch is N x --batch-size x --accumulation-steps. See qat_lora
 import os
 import sys
 
-from qat_lora.cli import main
+from qat_lora.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(script=os.path.basename(__file__), argv=["train", *sys.argv[1:]]))

@@ -103,8 +103,8 @@ def qwen3_dir(tmp_path_factory, tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
     """A top-8 fp32 KD cache of the tiny teacher (L = 32, ~6 k tokens, 10 % of documents held out)."""
-    from qat_lora.cache_build import build_cache
-    from qat_lora.config_data import CacheBuildConfig
+    from qat_lora.cache.builder import build_cache
+    from qat_lora.cache.config import CacheBuildConfig
 
     out = tmp_path_factory.mktemp("cache")
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(out), seq_len=32,
@@ -116,9 +116,9 @@ def cache_dir(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
 def save_random_adapter(model_dir: Path, quant: str, path: Path, r: int = 4, alpha: float = 8.0, seed: int = 0):
     """A recovery adapter over the `quant` student of `model_dir` whose B is random (stands in for a trained one,
     whose B is non-zero), saved as PEFT files in `path`; returns the adapted student."""
-    from qat_lora.config import StudentSpec
-    from qat_lora.lora import add_recovery_lora_
-    from qat_lora.student import build_student
+    from qat_lora.train.config import StudentSpec
+    from qat_lora.train.lora import add_recovery_lora_
+    from qat_lora.train.student import build_student
 
     adapted = add_recovery_lora_(build_student(StudentSpec(str(model_dir), quant)), r=r, alpha=alpha)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Offline tests for qat_lora.assets and qat_lora.teachers: text extraction, idempotence, pip errors, paths, the
+"""Offline tests for qat_lora.data.assets and qat_lora.data.teachers: text extraction, idempotence, pip errors, paths, the
 teacher registry (a GGUF in one wheel or in chunks over several), the news eval text read from the gensim wheel."""
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qat_lora import assets as A, teachers as T
-from qat_lora.cli import main
+from qat_lora.data import assets as A
+
+from qat_lora.data import teachers as T
+from qat_lora.commands.cli import main
 
 GEMMA = T.TEACHERS["gemma3-270m"]
 GEMMA_CHUNKS = [b"GGUF gemma ", b"chunk one ", b"chunk two ", b"end"]
@@ -412,8 +414,8 @@ def test_a_folder_fetched_before_the_news_text_gains_only_it(tmp_path, offline):
 
 
 def test_a_fetched_teacher_is_a_model_name_for_every_command(tmp_path, offline, monkeypatch, teacher_dir):
-    from qat_lora import models
-    from qat_lora.config import StudentSpec
+    from qat_lora.data import models
+    from qat_lora.train.config import StudentSpec
 
     monkeypatch.setenv("QAT_LORA_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qat_lora import models
-from qat_lora.blockwise import BLOCK_FILE, PROGRESS_FILE, reconstruct_blocks_
-from qat_lora.cache import KDCache
-from qat_lora.config import StudentSpec
-from qat_lora.metrics import kd_metrics
-from qat_lora.calibration import calibration_batches
-from qat_lora.quant import FakeQuantLinear, QuantConfig, get_preset, quantize_
-from qat_lora.student import build_student, quantizer_state_dict, save_quantizer_state
+from qat_lora.data import models
+from qat_lora.quant.blockwise import BLOCK_FILE, PROGRESS_FILE, reconstruct_blocks_
+from qat_lora.cache.reader import KDCache
+from qat_lora.train.config import StudentSpec
+from qat_lora.train.metrics import kd_metrics
+from qat_lora.quant.calibration import calibration_batches
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, get_preset, quantize_
+from qat_lora.train.student import build_student, quantizer_state_dict, save_quantizer_state
 
 SETTINGS = dict(steps=40, lr_weights=1e-3, lr_quant=1e-3, batch_size=4)
 QUIET = dict(log=lambda _: None)

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from qat_lora.cache import KDCache, inspect_cache, verify_cache
-from qat_lora.cache_build import build_cache, merge_manifests
-from qat_lora.config_data import CacheBuildConfig
-from qat_lora.cli import main
-from qat_lora.encodings import (DELTA_STEP, SampledEncoding, TopKEncoding, blocked_count_at_most, encode_rows,
+from qat_lora.cache.reader import KDCache, inspect_cache, verify_cache
+from qat_lora.cache.builder import build_cache, merge_manifests
+from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.commands.cli import main
+from qat_lora.cache.encodings import (DELTA_STEP, SampledEncoding, TopKEncoding, blocked_count_at_most, encode_rows,
                                 pack_bits, unpack_bits)
 
 V, L = 300, 16
@@ -160,7 +160,7 @@ def test_sigkill_then_resume_gives_byte_identical_shards(reference, teacher_dir,
     """Kill the builder at random moments (several trials), resume each time; the result must equal an
     uninterrupted build byte for byte."""
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "qat_lora.cli", "build-cache", "--teacher", str(teacher_dir), "--data",
+    cmd = [sys.executable, "-m", "qat_lora", "build-cache", "--teacher", str(teacher_dir), "--data",
            str(corpus_dir), "--out", str(out), "--seq-len", "16", "--encoding", "topk", "--top-k", "8", "--value-bits", "16",
            "--max-tokens", "6000", "--batch-size", "4", "--holdout-fraction", "0.1", "--shard-sequences", "16",
            "--device", "cpu"]
@@ -292,9 +292,9 @@ def test_preloaded_and_memory_mapped_reads_agree(reference):
 
 
 def test_trainer_and_eval_read_a_sampled_cache(teacher_dir, corpus_dir, tmp_path):
-    from qat_lora.config import EvalConfig, TrainConfig
-    from qat_lora.evaluate import evaluate
-    from qat_lora.train import train
+    from qat_lora.train.config import EvalConfig, TrainConfig
+    from qat_lora.commands.evaluate import evaluate
+    from qat_lora.train.trainer import train
 
     cache = tmp_path / "sampled"
     build_cache(_config(teacher_dir, corpus_dir, cache, encoding="sampled", num_samples=16), log=lambda _: None)
@@ -347,7 +347,7 @@ def test_teacher_dtype_and_matmul_precision_flags(reference, teacher_dir, corpus
     import shutil
     from dataclasses import asdict
 
-    from qat_lora.cache import MANIFEST
+    from qat_lora.cache.reader import MANIFEST
 
     with pytest.raises(ValueError, match="--dtype 'fp16': choose fp32 or bf16"):
         _config(teacher_dir, corpus_dir, tmp_path, dtype="fp16")

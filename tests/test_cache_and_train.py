@@ -8,15 +8,15 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from qat_lora.cache import KDCache, batch_order
-from qat_lora.cache_build import build_cache
-from qat_lora.config import EvalConfig, TrainConfig
-from qat_lora.config_data import CacheBuildConfig
-from qat_lora.cli import main
-from qat_lora.data import pack
-from qat_lora.evaluate import evaluate
-from qat_lora.models import load_causal_lm
-from qat_lora.train import train
+from qat_lora.cache.reader import KDCache, batch_order
+from qat_lora.cache.builder import build_cache
+from qat_lora.train.config import EvalConfig, TrainConfig
+from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.commands.cli import main
+from qat_lora.data.text import pack
+from qat_lora.commands.evaluate import evaluate
+from qat_lora.data.models import load_causal_lm
+from qat_lora.train.trainer import train
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qat_lora.cli import main
+from qat_lora.commands.cli import main
 
 from tests.reliability.test_user_mistakes import run_cli
 
@@ -73,7 +73,7 @@ def test_a_source_without_ranks_is_one_line(source, host_builds, tmp_path, capsy
 
 def test_hosts_may_share_one_folder_while_another_host_builds(host_builds, teacher_dir, corpus_dir, tmp_path):
     """A bucket or NFS folder every host writes: one host's lock on it does not stop another host's ranks."""
-    from qat_lora.files import FolderLock
+    from qat_lora.runtime.files import FolderLock
 
     shared = shutil.copytree(host_builds[0], tmp_path / "shared")  # host 0 is done; host 1 builds beside it
     with FolderLock(shared):  # host 0's command, still holding the folder (on file systems whose locks span hosts)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qat_lora.cache import KDCache
-from qat_lora.encodings import DELTA_STEP
+from qat_lora.cache.reader import KDCache
+from qat_lora.cache.encodings import DELTA_STEP
 
 if importlib.util.find_spec("torch_xla") is None:
     if os.environ.get("CI"):
@@ -29,10 +29,10 @@ FLAGS = ("--seq-len", "32", "--encoding", "topk", "--top-k", "8", "--value-bits"
 
 MEASURED_BUILD = """
 import json, sys
-from qat_lora.config_data import CacheBuildConfig
-from qat_lora.cache_build import build_cache
-from qat_lora.launch import spmd_backend
-from qat_lora.sharding import held_bytes
+from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.cache.builder import build_cache
+from qat_lora.runtime.launch import spmd_backend
+from qat_lora.runtime.sharding import held_bytes
 
 teacher, data, out, devices = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 backend = spmd_backend(devices, fsdp=True)
@@ -83,7 +83,7 @@ def _assert_same_cache(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
     out = tmp_path_factory.mktemp("one") / "cache"
-    _run(["-m", "qat_lora.cli", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir),
+    _run(["-m", "qat_lora", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir),
           "--out", str(out), *FLAGS, "--num-chips", "1"])
     return out
 
@@ -105,7 +105,7 @@ def test_an_fsdp_build_splits_the_teacher_and_equals_a_one_device_build(devices,
 
 def test_the_cli_fsdp_build_resumes_after_its_last_recorded_shard(one_device, teacher_dir, corpus_dir, tmp_path):
     out = tmp_path / "fsdp"
-    cmd = ["-m", "qat_lora.cli", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir),
+    cmd = ["-m", "qat_lora", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir),
            "--out", str(out), *FLAGS, "--num-chips", "4", "--parallel", "fsdp"]
     result = _run(cmd, 4)
     assert "XLA SPMD (fsdp)" in result.stdout and "per device" in result.stdout
@@ -125,7 +125,7 @@ def test_the_cli_fsdp_build_resumes_after_its_last_recorded_shard(one_device, te
 
 
 def test_fsdp_without_xla_is_one_line(teacher_dir, corpus_dir, tmp_path):
-    result = _run(["-m", "qat_lora.cli", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir),
+    result = _run(["-m", "qat_lora", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir),
                    "--out", str(tmp_path / "c"), "--device", "cpu", "--parallel", "fsdp"], check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "--parallel fsdp with --device cpu: SPMD needs --device xla or tpu" in result.stderr
@@ -136,7 +136,7 @@ def test_a_sampled_fsdp_build_draws_what_one_device_draws(teacher_dir, corpus_di
     # (device.to_host), never gathered whole on one device, and give the same draws.
     flags = ["--seq-len", "32", "--encoding", "sampled", "--num-samples", "16", "--max-tokens", "1500",
              "--batch-size", str(BATCH), "--shard-sequences", "16", "--device", "xla"]
-    base = ["-m", "qat_lora.cli", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir), *flags]
+    base = ["-m", "qat_lora", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir), *flags]
     _run(base + ["--out", str(tmp_path / "one"), "--num-chips", "1"])
     _run(base + ["--out", str(tmp_path / "fsdp"), "--num-chips", "4", "--parallel", "fsdp"], 4)
     a, b = _rows(tmp_path / "one"), _rows(tmp_path / "fsdp")

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import json
 
-import qat_lora.assets
-from qat_lora.assets import Assets
-from qat_lora.config_use import DemoConfig
-from qat_lora.demo import run_demo
+import qat_lora.data.assets
+from qat_lora.data.assets import Assets
+from qat_lora.export.config import DemoConfig
+from qat_lora.commands.demo import run_demo
 
 
 def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, corpus_dir, monkeypatch, capsys):
     assets = Assets(root=tmp_path, teacher_dir=teacher_dir, train_text_dir=corpus_dir, eval_text=corpus_dir / "b.txt")
-    monkeypatch.setattr(qat_lora.assets, "fetch_assets", lambda root=None, **_: assets)
+    monkeypatch.setattr(qat_lora.data.assets, "fetch_assets", lambda root=None, **_: assets)
     result = run_demo(DemoConfig(work_dir=str(tmp_path / "demo"), quant="w2g32", seq_len=32, num_samples=16,
                                  cache_tokens=6_000, eval_tokens=1_000, max_steps=5, batch_size=4, calib_sequences=32,
                                  device="cpu"))

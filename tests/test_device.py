@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-_PROBE = "from qat_lora.device import tune_host_allocator; print(tune_host_allocator())"
+_PROBE = "from qat_lora.runtime.device import tune_host_allocator; print(tune_host_allocator())"
 
 
 def _probe(env: dict) -> str:

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qat_lora.cli import main
-from qat_lora.config import StudentSpec, TrainConfig
-from qat_lora.export import load_packed
-from qat_lora.student import load_student
-from qat_lora.train import train
+from qat_lora.commands.cli import main
+from qat_lora.train.config import StudentSpec, TrainConfig
+from qat_lora.export.exporter import load_packed
+from qat_lora.train.student import load_student
+from qat_lora.train.trainer import train
 
 QUANT = "w3g32"
 
@@ -107,7 +107,7 @@ def test_grid_merge_reports_the_recovery_it_loses(teacher_dir, trained_adapter, 
     base, student = adapter["heldout"]["base"], adapter["heldout"]["student"]
     assert student["kd_kl"] < base["kd_kl"] and student["ppl"] > 1  # the adapter really recovered (KL to the teacher)
     merge = adapter["merge"]
-    from qat_lora.export_merge import heldout_metrics
+    from qat_lora.export.merge import heldout_metrics
 
     measured = heldout_metrics(load_packed(out / "packed"), str(cache_dir), 4)  # the exported file, reloaded
     assert merge["merged"]["kd_kl"] == pytest.approx(measured["kd_kl"], rel=1e-9)
@@ -128,7 +128,7 @@ def test_grid_merge_without_a_cache_warns_from_the_requantisation_error(teacher_
 
 def test_resnap_stage_trains_the_merged_grid_back_toward_the_recovery(teacher_dir, trained_adapter, cache_dir,
                                                                     tmp_path):
-    from qat_lora.export_merge import heldout_metrics, merge_lora_
+    from qat_lora.export.merge import heldout_metrics, merge_lora_
 
     out = tmp_path / "e"
     assert main(["export", "--model", str(teacher_dir), "--quant", QUANT, "--adapter", trained_adapter,
@@ -149,7 +149,7 @@ def test_resnap_stage_trains_the_merged_grid_back_toward_the_recovery(teacher_di
 
 
 def test_resnap_needs_the_merge_and_a_cache():
-    from qat_lora.config_use import ExportConfig
+    from qat_lora.export.config import ExportConfig
 
     with pytest.raises(ValueError, match="--resnap-steps needs --merge-adapter and --cache"):
         ExportConfig(model="m", quant=QUANT, adapter="a", merge_adapter=True, resnap_steps=10)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qat_lora.cli import main
-from qat_lora.config import StudentSpec
-from qat_lora.config_use import ExportConfig
-from qat_lora.export_ct import pack_int32
-from qat_lora.quant import FakeQuantLinear
-from qat_lora.student import build_student
+from qat_lora.commands.cli import main
+from qat_lora.train.config import StudentSpec
+from qat_lora.export.config import ExportConfig
+from qat_lora.export.compressed_tensors import pack_int32
+from qat_lora.quant.fake_quant import FakeQuantLinear
+from qat_lora.train.student import build_student
 
 # compressed_tensors itself comes with the `dev` (and `ct`) extra; the loads below run in fresh processes.
 
@@ -90,7 +90,7 @@ def test_unsupported_presets_get_one_line_naming_the_alternatives(quant, teacher
 
 def test_peft_adapter_beside_the_compressed_tensors_base_reproduces_the_student(teacher_dir, tmp_path):
     from conftest import save_random_adapter
-    from qat_lora.student import load_student
+    from qat_lora.train.student import load_student
 
     save_random_adapter(teacher_dir, "q4_0", tmp_path / "run-adapter", seed=1)
     out = tmp_path / "x"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import save_random_adapter
-from qat_lora.cli import main
-from qat_lora.config import StudentSpec
-from qat_lora.gguf_export import tensor_naming
-from qat_lora.student import load_student
+from qat_lora.commands.cli import main
+from qat_lora.train.config import StudentSpec
+from qat_lora.export.gguf.writer import tensor_naming
+from qat_lora.train.student import load_student
 
 gguf = pytest.importorskip("gguf")
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import make_tokenizer, synthetic_text
-from qat_lora.cli import main
-from qat_lora.config import StudentSpec
-from qat_lora.models import FAMILIES, family_of
-from qat_lora.student import load_student
+from qat_lora.commands.cli import main
+from qat_lora.train.config import StudentSpec
+from qat_lora.data.models import FAMILIES, family_of
+from qat_lora.train.student import load_student
 
 QUANT = "w4g32"  # int4 asymmetric, 32 a group: written by every format (GGUF as Q4_1)
 SEQ_LEN = 32
@@ -101,10 +101,10 @@ def _dense_logits(folder, adapter, ids, **kwargs) -> torch.Tensor:
 def test_family_end_to_end(family, corpus, family_tokenizer, tmp_path, capsys):
     from transformers import CompressedTensorsConfig
 
-    from qat_lora.cache_build import build_cache
-    from qat_lora.config_data import CacheBuildConfig
-    from qat_lora.export import load_packed
-    from qat_lora.gguf_export import GGUF_ARCHITECTURES
+    from qat_lora.cache.builder import build_cache
+    from qat_lora.cache.config import CacheBuildConfig
+    from qat_lora.export.exporter import load_packed
+    from qat_lora.export.gguf.writer import GGUF_ARCHITECTURES
 
     model_dir = _model_dir(tmp_path / "model", family, family_tokenizer)
     assert family_of(model_dir) == family
@@ -148,8 +148,8 @@ def test_family_end_to_end(family, corpus, family_tokenizer, tmp_path, capsys):
 
     # Generation through the family's KV cache (hybrid sliding/global for Gemma 3; prompt + reply longer than the
     # window), greedy: the same tokens as greedy decoding by full forwards without a cache.
-    from qat_lora.config_use import GenerateConfig
-    from qat_lora.generate import generate, load_generator
+    from qat_lora.export.config import GenerateConfig
+    from qat_lora.commands.generate import generate, load_generator
 
     cfg = GenerateConfig(model=str(model_dir), quant=QUANT, quantizer=quantizer, adapter=adapter,
                          prompt="the king sees the old city", max_new_tokens=8, device="cpu")
@@ -174,8 +174,8 @@ def test_family_end_to_end(family, corpus, family_tokenizer, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and "packed, dense or compressed-tensors" in err[0], (code, err)
         return
-    from qat_lora.quant import FakeQuantLinear
-    from qat_lora.quant_init import snap_fp16
+    from qat_lora.quant.fake_quant import FakeQuantLinear
+    from qat_lora.quant.inits import snap_fp16
 
     student = load_student(StudentSpec(str(model_dir), QUANT, quantizer), attn_implementation="eager")
     quantised = {id(m.weight) for m in student.modules() if isinstance(m, FakeQuantLinear)}
@@ -195,8 +195,8 @@ def test_layer_by_layer_equals_the_whole_forward(family, family_tokenizer, tmp_p
     # give the model's own hidden states, with each layer's own mask and rotary table (Gemma 3's sliding layers a
     # banded mask and local frequencies, its global layer the causal mask and global ones; the window is shorter
     # than the sequences, so a layer given another's kwargs would differ).
-    from qat_lora import blocks
-    from qat_lora.models import load_causal_lm
+    from qat_lora.quant import blocks
+    from qat_lora.data.models import load_causal_lm
 
     model = load_causal_lm(_model_dir(tmp_path / "m", family, family_tokenizer), attn_implementation="eager")
     batches = [torch.randint(0, len(family_tokenizer), (2, 24), generator=torch.Generator().manual_seed(i))
@@ -212,7 +212,7 @@ def test_layer_by_layer_equals_the_whole_forward(family, family_tokenizer, tmp_p
             torch.testing.assert_close(model.model.norm(hidden), want, rtol=1e-5, atol=1e-5)
     # Block-wise reconstruction's own path (the teacher's targets t_{i+1} = block_i(t_i)): kwargs per layer and
     # batch size, the sequences regrouped into batches of 2.
-    from qat_lora.blockwise import _embed, _run
+    from qat_lora.quant.blockwise import _embed, _run
 
     hidden, kwargs = _embed(model, torch.cat(batches), 2)
     for index, layer in enumerate(layers):
@@ -227,8 +227,8 @@ def test_the_chunked_loss_applies_a_final_logit_softcap(family_tokenizer, cache_
     # with one set exercises the same path).
     from transformers import AutoModelForCausalLM
 
-    from qat_lora.cache import KDCache
-    from qat_lora.loss import KDLossConfig, forward_loss
+    from qat_lora.cache.reader import KDCache
+    from qat_lora.train.loss import KDLossConfig, forward_loss
 
     config = _config("gemma3", family_tokenizer, tied=True)
     # A cap of 2 binds (the uncapped logits reach ~5); 512 entries cover the cache's token ids.
@@ -258,11 +258,11 @@ def test_models_that_need_a_bos_get_it_at_the_start_of_every_cached_and_evaluate
     # that add no BOS (SmolLM2, Qwen) keep their rows as they were.
     from tokenizers.processors import TemplateProcessing
 
-    from qat_lora import data
-    from qat_lora.cache import KDCache
-    from qat_lora.cache_build import build_cache
-    from qat_lora.config_data import CacheBuildConfig
-    from qat_lora.models import sequence_prefix
+    from qat_lora.data import text as data
+    from qat_lora.cache.reader import KDCache
+    from qat_lora.cache.builder import build_cache
+    from qat_lora.cache.config import CacheBuildConfig
+    from qat_lora.data.models import sequence_prefix
 
     plain = make_tokenizer((corpus / "a.txt").read_text())
     assert sequence_prefix(plain) == []

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import save_random_adapter
-from qat_lora.cli import main
-from qat_lora.config import StudentSpec
-from qat_lora.config_use import GenerateConfig
-from qat_lora.generate import chat, generate
-from qat_lora.student import load_student
+from qat_lora.commands.cli import main
+from qat_lora.train.config import StudentSpec
+from qat_lora.export.config import GenerateConfig
+from qat_lora.commands.generate import chat, generate
+from qat_lora.train.student import load_student
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -101,9 +101,9 @@ GENERATE_ON_XLA = """
 import json, sys
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from qat_lora import device as dev
-from qat_lora.config_use import GenerateConfig
-from qat_lora.generate import generate
+from qat_lora.runtime import device as dev
+from qat_lora.export.config import GenerateConfig
+from qat_lora.commands.generate import generate
 
 model, adapter = sys.argv[1:3]
 report = {}

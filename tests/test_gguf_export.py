@@ -11,12 +11,12 @@ from torch import nn
 
 gguf = pytest.importorskip("gguf")  # the `gguf` extra; the dev install has it
 
-from qat_lora.cli import main  # noqa: E402
-from qat_lora.export import load_packed, save_packed  # noqa: E402
-from qat_lora.gguf_export import GGUF_FILE, pack_blocks, save_gguf  # noqa: E402
-from qat_lora.models import load_causal_lm  # noqa: E402
-from qat_lora.quant import FakeQuantLinear, QuantConfig, fake_quantize, get_preset, quantize_  # noqa: E402
-from qat_lora.quant_init import snap_fp16  # noqa: E402
+from qat_lora.commands.cli import main  # noqa: E402
+from qat_lora.export.exporter import load_packed, save_packed  # noqa: E402
+from qat_lora.export.gguf.writer import GGUF_FILE, pack_blocks, save_gguf  # noqa: E402
+from qat_lora.data.models import load_causal_lm  # noqa: E402
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, fake_quantize, get_preset, quantize_  # noqa: E402
+from qat_lora.quant.inits import snap_fp16  # noqa: E402
 
 GGML_PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
@@ -275,7 +275,7 @@ def test_zero_domain_config_errors(kwargs, match):
 
 @pytest.mark.parametrize("preset", GGML_PRESETS)
 def test_gptq_lands_on_the_llama_cpp_grid_and_beats_its_rtn(preset):
-    from qat_lora.gptq import gptq_quantize
+    from qat_lora.quant.gptq import gptq_quantize
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(16, 128, generator=g) * 0.05

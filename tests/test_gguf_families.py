@@ -14,13 +14,13 @@ import torch
 gguf = pytest.importorskip("gguf")  # the `gguf` extra; the dev install has it
 
 from conftest import make_tokenizer, synthetic_text  # noqa: E402
-from qat_lora.gguf_arch import GGUF_ARCHITECTURES, gguf_architecture, tensor_naming  # noqa: E402
-from qat_lora.gguf_export import GGUF_FILE, save_gguf  # noqa: E402
-from qat_lora.gguf_lora import ADAPTER_FILE, save_gguf_lora  # noqa: E402
-from qat_lora.lora import add_recovery_lora_  # noqa: E402
-from qat_lora.models import load_causal_lm  # noqa: E402
-from qat_lora.quant import FakeQuantLinear, quantize_  # noqa: E402
-from qat_lora.quant_init import snap_fp16  # noqa: E402
+from qat_lora.export.gguf.arch import GGUF_ARCHITECTURES, gguf_architecture, tensor_naming  # noqa: E402
+from qat_lora.export.gguf.writer import GGUF_FILE, save_gguf  # noqa: E402
+from qat_lora.export.gguf.lora import ADAPTER_FILE, save_gguf_lora  # noqa: E402
+from qat_lora.train.lora import add_recovery_lora_  # noqa: E402
+from qat_lora.data.models import load_causal_lm  # noqa: E402
+from qat_lora.quant.fake_quant import FakeQuantLinear, quantize_  # noqa: E402
+from qat_lora.quant.inits import snap_fp16  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 TOKENIZERS = {"llama": "bpe", "mistral": "llama-spm", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3_text": "gemma-spm",

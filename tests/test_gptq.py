@@ -12,9 +12,11 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from qat_lora import blocks, quant_init
-from qat_lora.gptq import _group_now, gptq_, gptq_quantize
-from qat_lora.quant import FakeQuantLinear, QuantConfig, dequantize, quantize_
+from qat_lora.quant import blocks
+
+from qat_lora.quant import inits as quant_init
+from qat_lora.quant.gptq import _group_now, gptq_, gptq_quantize
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, dequantize, quantize_
 
 OUT, IN, N = 32, 128, 512
 INIT_STD = 0.08
@@ -229,7 +231,7 @@ def test_gptq_model_is_closer_to_teacher_than_rtn(arch):
 
 
 def test_gptq_through_peft_wrapper():
-    from qat_lora.lora import add_recovery_lora_
+    from qat_lora.train.lora import add_recovery_lora_
 
     model = add_recovery_lora_(quantize_(_tiny("llama"), QuantConfig(bits=3, group_size=32)), r=4)
     report = gptq_(model, _tokens(4, 4), act_order=True, log=lambda _: None)
@@ -239,7 +241,7 @@ def test_gptq_through_peft_wrapper():
 
 
 def test_full_precision_uses_latent_weight_and_restores_forward():
-    from qat_lora.gptq import full_precision
+    from qat_lora.quant.gptq import full_precision
 
     layer = FakeQuantLinear.from_linear(nn.Linear(IN, OUT), QuantConfig(bits=2, group_size=32))
     marker = layer.forward

@@ -11,14 +11,14 @@ from torch import nn
 
 gguf = pytest.importorskip("gguf")  # the `gguf` extra; the dev install has it
 
-from qat_lora import kquant  # noqa: E402
-from qat_lora.cli import main  # noqa: E402
-from qat_lora.gguf_export import GGUF_FILE, save_gguf  # noqa: E402
-from qat_lora.gguf_kquant import pack_kquant  # noqa: E402
-from qat_lora.models import load_causal_lm  # noqa: E402
-from qat_lora.quant import FakeQuantLinear, QuantConfig, get_preset, quantize_  # noqa: E402
-from qat_lora.quant_config import KQUANT_TYPES  # noqa: E402
-from qat_lora.quant_init import snap_fp16  # noqa: E402
+from qat_lora.quant import kquant  # noqa: E402
+from qat_lora.commands.cli import main  # noqa: E402
+from qat_lora.export.gguf.writer import GGUF_FILE, save_gguf  # noqa: E402
+from qat_lora.export.gguf.kquant import pack_kquant  # noqa: E402
+from qat_lora.data.models import load_causal_lm  # noqa: E402
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, get_preset, quantize_  # noqa: E402
+from qat_lora.quant.config import KQUANT_TYPES  # noqa: E402
+from qat_lora.quant.inits import snap_fp16  # noqa: E402
 
 KQUANTS = {"q2_k": "Q2_K", "q3_k": "Q3_K", "q4_k": "Q4_K", "q6_k": "Q6_K"}
 PROJ = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -256,7 +256,7 @@ def test_presets_command_lists_the_kquants_with_their_bits_per_weight(capsys):
 
 @pytest.mark.parametrize("preset", KQUANTS)
 def test_gptq_chooses_codes_on_the_fixed_kquant_grid_and_beats_its_rounding(preset):
-    from qat_lora.gptq import gptq_quantize
+    from qat_lora.quant.gptq import gptq_quantize
 
     g = torch.Generator().manual_seed(8)
     w = torch.randn(16, 256, generator=g) * 0.05
@@ -275,7 +275,7 @@ def test_gptq_chooses_codes_on_the_fixed_kquant_grid_and_beats_its_rounding(pres
 
 
 def test_kquant_students_survive_the_packed_export(mixed_dir, tmp_path):
-    from qat_lora.export import load_packed, save_packed
+    from qat_lora.export.exporter import load_packed, save_packed
 
     student = _trained(mixed_dir, "q4_k")
     save_packed(student, tmp_path, get_preset("q4_k"))
@@ -285,7 +285,7 @@ def test_kquant_students_survive_the_packed_export(mixed_dir, tmp_path):
 
 
 def test_blockwise_reconstruction_refuses_kquants_in_one_line(wide_dir):
-    from qat_lora.blockwise import reconstruct_blocks_
+    from qat_lora.quant.blockwise import reconstruct_blocks_
 
     student = quantize_(load_causal_lm(wide_dir), "q4_k")
     with pytest.raises(ValueError, match="q2_k, q3_k, q4_k, q6_k.*--blockwise-steps 0"):
@@ -297,10 +297,10 @@ def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, 
     # The path a user takes: teacher .gguf -> KD cache -> QAT of the q4_k quantiser -> `qat-lora export --format gguf`.
     import json
 
-    from qat_lora.cache_build import build_cache
-    from qat_lora.config import TrainConfig
-    from qat_lora.config_data import CacheBuildConfig
-    from qat_lora.train import train
+    from qat_lora.cache.builder import build_cache
+    from qat_lora.train.config import TrainConfig
+    from qat_lora.cache.config import CacheBuildConfig
+    from qat_lora.train.trainer import train
 
     teacher_tok = type(tokenizer).from_pretrained(str(wide_dir))
     teacher_tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -320,8 +320,8 @@ def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, 
     assert report["types"] == {"Q4_K": 14} and report["exact_layers"] == 14 and report["file_type"] == "MOSTLY_Q4_K_S"
     fields = gguf.GGUFReader(str(out / "gguf" / GGUF_FILE)).fields
     assert fields["general.name"].contents() == "Teacher-Q8" and "tokenizer.chat_template" in fields
-    from qat_lora.config import StudentSpec
-    from qat_lora.student import load_student
+    from qat_lora.train.config import StudentSpec
+    from qat_lora.train.student import load_student
 
     student = load_student(StudentSpec(str(teacher), "q4_k", str(quantizer)))
     init = quantize_(load_causal_lm(teacher), "q4_k")
@@ -331,7 +331,7 @@ def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, 
 
 
 def test_gptq_over_a_kquant_student_lowers_every_layers_error_and_exports_exactly(wide_dir, tokenizer, tmp_path):
-    from qat_lora.gptq import gptq_
+    from qat_lora.quant.gptq import gptq_
 
     student = quantize_(load_causal_lm(wide_dir), "q3_k")
     batches = [torch.randint(0, len(tokenizer), (4, 64), generator=torch.Generator().manual_seed(i)) for i in range(2)]

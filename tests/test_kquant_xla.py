@@ -22,8 +22,8 @@ import torch, torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from torch import nn
-from qat_lora import device as dev
-from qat_lora.quant import FakeQuantLinear, get_preset
+from qat_lora.runtime import device as dev
+from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset
 
 report = {}
 for preset in ("q2_k", "q3_k", "q4_k", "q6_k"):

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from qat_lora.lora import add_recovery_lora_
-from qat_lora.models import load_causal_lm
-from qat_lora.quant import FakeQuantLinear, quantize_
+from qat_lora.train.lora import add_recovery_lora_
+from qat_lora.data.models import load_causal_lm
+from qat_lora.quant.fake_quant import FakeQuantLinear, quantize_
 
 
 def _student(path):
@@ -78,7 +78,7 @@ def test_low_rank_correction_is_the_optimum_in_the_output_metric():
     """Against an independent construction (symmetric square root of H by eigh instead of Cholesky): the same
     rank-r product, the removed output energy equals the kept singular values, and weighting by H beats the
     plain truncated SVD of the weight error."""
-    from qat_lora.lora import low_rank_correction
+    from qat_lora.train.lora import low_rank_correction
 
     g = torch.Generator().manual_seed(0)
     delta = torch.randn(24, 64, generator=g, dtype=torch.float64) * 0.01
@@ -105,8 +105,8 @@ def test_low_rank_correction_is_the_optimum_in_the_output_metric():
 
 
 def test_calibrated_init_sets_each_pair_and_brings_the_student_closer_to_the_teacher(teacher_dir):
-    from qat_lora import blocks
-    from qat_lora.lora import calibrated_lora_init_, low_rank_correction
+    from qat_lora.quant import blocks
+    from qat_lora.train.lora import calibrated_lora_init_, low_rank_correction
 
     teacher = load_causal_lm(teacher_dir)
     zero = add_recovery_lora_(_student(teacher_dir), r=4, alpha=8.0)
@@ -144,7 +144,7 @@ def test_calibrated_init_sets_each_pair_and_brings_the_student_closer_to_the_tea
 
 
 def test_calibrated_init_refuses_a_model_without_adapters_or_another_reference(teacher_dir):
-    from qat_lora.lora import calibrated_lora_init_
+    from qat_lora.train.lora import calibrated_lora_init_
 
     ids = [torch.zeros(1, 8, dtype=torch.long)]
     with pytest.raises(ValueError, match="no LoRA adapter over a quantised linear"):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from qat_lora.loss import KDLossConfig, kd_loss, topk_soft_ce
+from qat_lora.train.loss import KDLossConfig, kd_loss, topk_soft_ce
 
 V, B, L = 11, 2, 5
 
@@ -139,7 +139,7 @@ def test_config_rejects_bad_values():
 @pytest.mark.parametrize("chunk_size,temperature,alpha,renormalize", [
     (3, 1.0, 1.0, False), (4, 2.0, 0.6, False), (100, 1.0, 0.0, False), (5, 1.0, 0.8, True)])
 def test_chunked_loss_equals_plain_in_value_and_gradient(chunk_size, temperature, alpha, renormalize):
-    from qat_lora.loss import kd_loss_chunked
+    from qat_lora.train.loss import kd_loss_chunked
 
     gen = torch.Generator().manual_seed(20)
     hidden = torch.randn(B, L, 6, dtype=torch.float64, generator=gen)
@@ -166,7 +166,7 @@ def test_chunked_loss_equals_plain_in_value_and_gradient(chunk_size, temperature
 
 
 def test_chunked_loss_gradient_flows_only_through_the_loss_and_only_to_what_needs_it():
-    from qat_lora.loss import kd_loss_chunked
+    from qat_lora.train.loss import kd_loss_chunked
 
     gen = torch.Generator().manual_seed(22)
     hidden = torch.randn(B, L, 6, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -179,7 +179,7 @@ def test_chunked_loss_gradient_flows_only_through_the_loss_and_only_to_what_need
 
 def test_sampled_targets_are_unbiased_for_the_full_soft_cross_entropy():
     """Mean of the RS-KD loss over many independent draws -> the exact full-vocabulary soft CE."""
-    from qat_lora.encodings import SampledEncoding, encode_rows
+    from qat_lora.cache.encodings import SampledEncoding, encode_rows
 
     gen = torch.Generator().manual_seed(30)
     teacher = torch.randn(1, 3, V, generator=gen, dtype=torch.float64) * 2
@@ -205,8 +205,8 @@ def test_sampled_targets_are_unbiased_for_the_full_soft_cross_entropy():
 
 
 def test_chunked_loss_equals_plain_for_sampled_targets():
-    from qat_lora.encodings import SampledEncoding, encode_rows
-    from qat_lora.loss import kd_loss_chunked
+    from qat_lora.cache.encodings import SampledEncoding, encode_rows
+    from qat_lora.train.loss import kd_loss_chunked
 
     gen = torch.Generator().manual_seed(40)
     hidden = torch.randn(B, L, 6, dtype=torch.float64, generator=gen)

@@ -50,8 +50,8 @@ def test_lora_count_and_step_flops_equal_the_built_students(bench, name, monkeyp
 
     from transformers import AutoModelForCausalLM
 
-    from qat_lora.quant import quantize_
-    from qat_lora.student import make_trainable_
+    from qat_lora.quant.fake_quant import quantize_
+    from qat_lora.train.student import make_trainable_
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from step_bench import step_flops_per_token

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from qat_lora import checkpoint as ckpt
-from qat_lora.cache import KDCache, batch_order
-from qat_lora.config import TrainConfig
-from qat_lora.launch import free_port
-from qat_lora.train import train
+from qat_lora.train import checkpoint as ckpt
+from qat_lora.cache.reader import KDCache, batch_order
+from qat_lora.train.config import TrainConfig
+from qat_lora.runtime.launch import free_port
+from qat_lora.train.trainer import train
 from tests.test_trainer import _full_rows_seed
 
 
@@ -35,7 +35,7 @@ def _nodes(flags: list[str], nodes: int = 2) -> list[subprocess.Popen]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank",
                               str(r), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-                              str(port), "-m", "qat_lora.cli", *flags], env=env, stdout=subprocess.PIPE,
+                              str(port), "-m", "qat_lora", *flags], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(nodes)]
 
 

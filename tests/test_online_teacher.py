@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_benchmark, make_model_dir, make_tokenizer, synthetic_text
-from qat_lora import models
-from qat_lora.cache import BASE_KEYS, KDCache
-from qat_lora.cache_build import build_cache
-from qat_lora.config import StudentSpec, TrainConfig
-from qat_lora.config_data import CacheBuildConfig
-from qat_lora.loss import KDLossConfig, forward_loss, full_soft_ce
-from qat_lora.student import build_student
-from qat_lora.train import train
+from qat_lora.data import models
+from qat_lora.cache.reader import BASE_KEYS, KDCache
+from qat_lora.cache.builder import build_cache
+from qat_lora.train.config import StudentSpec, TrainConfig
+from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.train.loss import KDLossConfig, forward_loss, full_soft_ce
+from qat_lora.train.student import build_student
+from qat_lora.train.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +148,8 @@ def test_flag_errors_are_one_line(teacher_dir, fields, message):
 
 ONLINE_ON_XLA = """
 import json, sys
-from qat_lora.config import TrainConfig
-from qat_lora.train import train
+from qat_lora.train.config import TrainConfig
+from qat_lora.train.trainer import train
 
 teacher, cache, out, online = sys.argv[1:5]
 summary = train(TrainConfig(model=teacher, cache=cache, quant="w2g32", out=out, max_steps=4, batch_size=2,

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from qat_lora.cache import KDCache, endless_batches
-from qat_lora.distributed import spmd_layout
+from qat_lora.cache.reader import KDCache, endless_batches
+from qat_lora.runtime.distributed import spmd_layout
 
 
 @pytest.mark.parametrize("hosts,chips", [(1, 1), (1, 8), (2, 4), (4, 4), (8, 8), (16, 4)])
@@ -52,7 +52,7 @@ host = int(sys.argv[1])
 xr.process_index, xr.process_count, xr.addressable_runtime_device_count = lambda: host, lambda: 2, lambda: 4
 joined = {}
 dist.init_process_group = lambda backend, **kw: joined.update(backend=backend, **{k: str(v) for k, v in kw.items()})
-from qat_lora.sharding import FsdpBackend
+from qat_lora.runtime.sharding import FsdpBackend
 backend = FsdpBackend()
 spec = backend.input_sharding({"input_ids": 2})["input_ids"]
 print("POD " + json.dumps({"rank": backend.rank, "world_size": backend.world_size, "master": backend.is_master,

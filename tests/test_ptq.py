@@ -7,14 +7,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qat_lora.cache import KDCache
-from qat_lora.cli import main
-from qat_lora.config import QuantizeConfig, StudentSpec, TrainConfig
-from qat_lora.metrics import kd_metrics
-from qat_lora.ptq import quantize
-from qat_lora.quant import FakeQuantLinear
-from qat_lora.student import build_student
-from qat_lora.train import train
+from qat_lora.cache.reader import KDCache
+from qat_lora.commands.cli import main
+from qat_lora.train.config import QuantizeConfig, StudentSpec, TrainConfig
+from qat_lora.train.metrics import kd_metrics
+from qat_lora.commands.quantize import quantize
+from qat_lora.quant.fake_quant import FakeQuantLinear
+from qat_lora.train.student import build_student
+from qat_lora.train.trainer import train
 
 QUIET = dict(log=lambda _: None)
 
@@ -50,8 +50,8 @@ def test_gptq_init_writes_codes_that_reload_on_the_grid_and_beat_rtn(teacher_dir
 def test_gptq_on_llama_cpp_grids_keeps_their_own_init(preset, teacher_dir, cache_dir, tmp_path):
     # q4_1's float offsets and the K-quants admit only llama.cpp's min/max init (not the clipping search the other
     # presets get under GPTQ): the init runs on their grid and the result exports to GGUF exactly.
-    from qat_lora.gguf_export import save_gguf
-    from qat_lora.models import load_tokenizer
+    from qat_lora.export.gguf.writer import save_gguf
+    from qat_lora.data.models import load_tokenizer
 
     report = _quantize(teacher_dir, cache_dir, tmp_path / "gptq", init="gptq", quant=preset)
     assert all(e["gptq_err"] <= e["init_err"] + 1e-6 for e in report["gptq"]["layers"].values())

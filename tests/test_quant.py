@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from qat_lora.models import load_causal_lm
-from qat_lora.quant import (PRESETS, FakeQuantLinear, QuantConfig, fake_quantize, get_preset, quantize_,
+from qat_lora.data.models import load_causal_lm
+from qat_lora.quant.fake_quant import (PRESETS, FakeQuantLinear, QuantConfig, fake_quantize, get_preset, quantize_,
                             quantized_weights_once_per_step, quantizer_parameters)
 
 
@@ -111,9 +111,9 @@ def test_cached_weight_follows_parameter_updates():
 
 # --- issue 4: schemes, initialisation, gradients, parameter groups -------------------------------------------
 
-from qat_lora import quant_init  # noqa: E402
-from qat_lora.calibration import activation_importance  # noqa: E402
-from qat_lora.quant import (dequantize, parameter_groups, quant_config_dict,  # noqa: E402
+from qat_lora.quant import inits as quant_init  # noqa: E402
+from qat_lora.quant.calibration import activation_importance  # noqa: E402
+from qat_lora.quant.fake_quant import (dequantize, parameter_groups, quant_config_dict,  # noqa: E402
                             quant_config_from_dict, set_trainable_)
 
 SCHEME_CASES = {
@@ -365,7 +365,7 @@ def test_parameter_groups_and_set_trainable():
 
 @pytest.mark.parametrize("preset", ["lut2g32", "w2g32"])
 def test_peft_lora_wraps_every_quantised_linear(teacher_dir, preset):
-    from qat_lora.lora import add_recovery_lora_
+    from qat_lora.train.lora import add_recovery_lora_
 
     student = quantize_(load_causal_lm(teacher_dir), preset)
     names = [n for n, m in student.named_modules() if isinstance(m, FakeQuantLinear)]
@@ -412,8 +412,8 @@ def test_wq_once_per_step_skips_frozen_quantizers():
 @pytest.mark.parametrize("per_group", [False, True])
 def test_lut_lookup_as_compare_and_sum_equals_searchsorted_including_ties(monkeypatch, per_group):
     # XLA has no searchsorted: the lookup counts the midpoints below each value instead (device.py picks which).
-    import qat_lora.device as dev
-    from qat_lora.quant import _lut_lookup
+    import qat_lora.runtime.device as dev
+    from qat_lora.quant.fake_quant import _lut_lookup
 
     g = torch.Generator().manual_seed(0)
     shape = (6, 4, 16) if per_group else (1, 1, 16)

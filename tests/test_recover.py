@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from qat_lora.cache import KDCache
-from qat_lora.cli import build_parser, config_from_args, main
-from qat_lora.config import RecoverConfig, StudentSpec
-from qat_lora.metrics import kd_metrics
-from qat_lora.recover import recover
-from qat_lora.student import load_student
+from qat_lora.cache.reader import KDCache
+from qat_lora.commands.cli import build_parser, config_from_args, main
+from qat_lora.train.config import RecoverConfig, StudentSpec
+from qat_lora.train.metrics import kd_metrics
+from qat_lora.commands.recover import recover
+from qat_lora.train.student import load_student
 
 QUIET = dict(log=lambda _: None)
 
@@ -100,15 +100,15 @@ def test_lr_probe_chooses_the_rate_with_the_lowest_heldout_kd_loss(teacher_dir, 
                                                          (200, 7, 7)])
 def test_probe_length_is_a_fifth_of_the_stage_within_4_to_20(lora_steps, probe, expected, teacher_dir, cache_dir,
                                                              tmp_path):
-    from qat_lora.recover import probe_steps
+    from qat_lora.commands.recover import probe_steps
 
     cfg = _cfg(teacher_dir, cache_dir, tmp_path / "run", lora_steps=lora_steps, lr_probe_steps=probe)
     assert probe_steps(cfg) == expected
 
 
 def test_a_diverged_probe_loses_and_all_diverged_is_one_line(teacher_dir, cache_dir, tmp_path, monkeypatch):
-    from qat_lora import recover as recover_module
-    from qat_lora.runs import RunDiverged
+    from qat_lora.commands import recover as recover_module
+    from qat_lora.runtime.runs import RunDiverged
 
     real = recover_module._train_stage
 
@@ -131,8 +131,8 @@ def test_a_diverged_probe_loses_and_all_diverged_is_one_line(teacher_dir, cache_
 
 
 def test_lr_probe_needs_a_heldout_split(teacher_dir, corpus_dir, tmp_path):
-    from qat_lora.cache_build import build_cache
-    from qat_lora.config_data import CacheBuildConfig
+    from qat_lora.cache.builder import build_cache
+    from qat_lora.cache.config import CacheBuildConfig
 
     cache = tmp_path / "cache"
     build_cache(CacheBuildConfig(teacher=str(teacher_dir), data=[str(corpus_dir)], out=str(cache), seq_len=32,
@@ -187,7 +187,7 @@ def test_bad_flags_are_one_line_errors(flag, value, message, teacher_dir, cache_
 
 def test_calibrated_lora_start_is_computed_once_for_the_probes_and_the_stage(teacher_dir, cache_dir, tmp_path,
                                                                                monkeypatch):
-    import qat_lora.lora as lora
+    import qat_lora.train.lora as lora
 
     calls = []
     original = lora.calibrated_lora_init_

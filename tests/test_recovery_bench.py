@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import load_benchmark, synthetic_text
-from qat_lora import data
+from qat_lora.data import text as data
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", "gap_recovered_nats", "nll_gap_nats",
@@ -306,11 +306,11 @@ def test_eval_text_inside_the_training_text_is_refused(recovery, tiny_args, corp
 def test_searched_init_is_computed_once_by_the_start_row(recovery, first_run, tiny_args, teacher_dir, monkeypatch):
     # w2g32 starts from the MSE search: its PTQ row saves the quantiser, and the training run loads that file
     # instead of searching again (build_student is never asked for a fresh w2g32 init).
-    import qat_lora.train as train_module
+    import qat_lora.train.trainer as train_module
     from safetensors.torch import load_file
 
-    from qat_lora.config import StudentSpec
-    from qat_lora.student import quantizer_state_dict
+    from qat_lora.train.config import StudentSpec
+    from qat_lora.train.student import quantizer_state_dict
 
     searched = []
     real_build = train_module.build_student

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from qat_lora.config import TrainConfig
-from qat_lora.train import train
+from qat_lora.train.config import TrainConfig
+from qat_lora.train.trainer import train
 
 pytest.importorskip("wandb", reason="the `wandb` extra: pip install 'qat-lora[wandb]'")
 

@@ -7,11 +7,11 @@ import shutil
 import pytest
 import torch
 
-from qat_lora.cache import KDCache
-from qat_lora.cli import main
-from qat_lora.config_data import GenerateDataConfig
-from qat_lora.data import list_text_files
-from qat_lora.self_data import corpus_prompts, generate_data
+from qat_lora.cache.reader import KDCache
+from qat_lora.commands.cli import main
+from qat_lora.cache.config import GenerateDataConfig
+from qat_lora.data.text import list_text_files
+from qat_lora.data.teacher_text import corpus_prompts, generate_data
 
 QUIET = dict(log=lambda _: None)
 
@@ -66,7 +66,7 @@ def test_a_stopped_run_resumes_to_the_same_corpus(teacher_dir, corpus_dir, tmp_p
 
 
 def test_short_answers_are_made_up_by_more_samples(teacher_dir, corpus_dir, tmp_path, monkeypatch):
-    import qat_lora.self_data as self_data
+    import qat_lora.data.teacher_text as self_data
 
     real = self_data._sample
     monkeypatch.setattr(self_data, "_sample", lambda *a: [ids[:3] for ids in real(*a)])  # as if EOS after 3

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qat_lora.config import TRAIN_PRESETS
+from qat_lora.train.config import TRAIN_PRESETS
 
 from conftest import load_benchmark
 

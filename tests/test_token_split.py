@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import load_benchmark, save_random_adapter
-from qat_lora import models
-from qat_lora.config import StudentSpec
-from qat_lora.metrics import perplexity
-from qat_lora.student import load_student
+from qat_lora.data import models
+from qat_lora.train.config import StudentSpec
+from qat_lora.train.metrics import perplexity
+from qat_lora.train.student import load_student
 
 
 def test_classes_partition_the_tokens_and_all_matches_the_perplexity_gap(teacher_dir, cache_dir, corpus_dir, tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qat_lora.cli import build_parser
+from qat_lora.commands.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "TPU.md"

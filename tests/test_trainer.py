@@ -13,17 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qat_lora import checkpoint as ckpt
-from qat_lora.cache import KDCache, batch_order
-from qat_lora.cli import main
-from qat_lora.config import TRAIN_PRESETS, StudentSpec, TrainConfig
-from qat_lora.launch import launch_local
-from qat_lora.metrics import kd_metrics
-from qat_lora.quant import quantizer_parameters
-from qat_lora.student import (build_student, enable_activation_checkpointing_, latent_weights, load_student,
+from qat_lora.train import checkpoint as ckpt
+from qat_lora.cache.reader import KDCache, batch_order
+from qat_lora.commands.cli import main
+from qat_lora.train.config import TRAIN_PRESETS, StudentSpec, TrainConfig
+from qat_lora.runtime.launch import launch_local
+from qat_lora.train.metrics import kd_metrics
+from qat_lora.quant.fake_quant import quantizer_parameters
+from qat_lora.train.student import (build_student, enable_activation_checkpointing_, latent_weights, load_student,
                               make_trainable_, quantizer_state_dict, save_quantizer_state)
-from qat_lora.optim import build_optimizer
-from qat_lora.train import train
+from qat_lora.train.optim import build_optimizer
+from qat_lora.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = dict(log=lambda _: None)
@@ -36,7 +36,7 @@ def _cfg(teacher_dir, cache_dir, out, **kw) -> TrainConfig:
 
 
 def _cli(teacher_dir, cache_dir, out, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "qat_lora.cli", "train", "--model", str(teacher_dir), "--cache", str(cache_dir),
+    return [sys.executable, "-m", "qat_lora", "train", "--model", str(teacher_dir), "--cache", str(cache_dir),
             "--quant", "w2g32", "--out", str(out), "--batch-size", "2", "--lr", "3e-3", "--lora-r", "4",
             "--warmup-steps", "2", "--log-steps", "1", "--device", "cpu", *extra]
 
@@ -301,8 +301,7 @@ def test_two_ranks_sigkill_then_resume_equals_an_uninterrupted_torchrun_launch(t
 
     flags = ("--max-steps", "10", "--save-steps", "2", "--keep-checkpoints", "2")
     reference = tmp_path / "torchrun"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                "qat_lora.cli", *_cli(teacher_dir, cache_dir, reference, *flags)[3:]]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "qat_lora", *_cli(teacher_dir, cache_dir, reference, *flags)[3:]]
     result = subprocess.run(torchrun, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((reference / "summary.json").read_text())["world_size"] == 2
@@ -329,7 +328,7 @@ def test_two_ranks_sigkill_then_resume_equals_an_uninterrupted_torchrun_launch(t
 
 FAILING_RANK = """
 import torch
-from qat_lora.distributed import init_backend
+from qat_lora.runtime.distributed import init_backend
 backend = init_backend(torch.device("cpu"), timeout_s=120)
 backend.rendezvous("up")
 if backend.rank == 1:
@@ -366,7 +365,7 @@ def test_periodic_eval_keeps_the_best_checkpoint_by_heldout_loss(teacher_dir, ca
 def test_unavailable_devices_and_bad_flags_are_one_line_errors(teacher_dir, cache_dir, tmp_path):
     with pytest.raises(ValueError, match="--preset 'lora'"):
         _cfg(teacher_dir, cache_dir, tmp_path, preset="lora")
-    from qat_lora.device import tpu_present, resolve_device
+    from qat_lora.runtime.device import tpu_present, resolve_device
 
     if not tpu_present():
         with pytest.raises(ValueError, match="--device tpu"):

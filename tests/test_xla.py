@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qat_lora.cache_build import build_cache
-from qat_lora.config_data import CacheBuildConfig
+from qat_lora.cache.builder import build_cache
+from qat_lora.cache.config import CacheBuildConfig
 
 if importlib.util.find_spec("torch_xla") is None:
     if os.environ.get("CI"):
@@ -24,7 +24,7 @@ if importlib.util.find_spec("torch_xla") is None:
 def _train(tmp_path, teacher_dir, cache, device: str, steps: int, *extra: str) -> dict:
     out = tmp_path / f"run-{device}"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}
-    cmd = [sys.executable, "-m", "qat_lora.cli", "train", "--model", str(teacher_dir), "--cache", str(cache),
+    cmd = [sys.executable, "-m", "qat_lora", "train", "--model", str(teacher_dir), "--cache", str(cache),
            "--quant", "w2g32", "--out", str(out), "--max-steps", str(steps), "--batch-size", "2", "--log-steps", "1",
            "--lr", "1e-3", "--warmup-steps", "2", "--device", device, "--attn-implementation", "eager", *extra]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
@@ -112,7 +112,7 @@ def test_spmd_over_two_devices_with_recompute_matches_one_device_with_the_whole_
 
 
 def test_multi_chip_xla_processes_on_a_cpu_host_are_a_one_line_error(tmp_path):
-    from qat_lora.device import tpu_present
+    from qat_lora.runtime.device import tpu_present
 
     if tpu_present():
         pytest.skip("a TPU host runs XLA replicas")

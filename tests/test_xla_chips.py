@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from qat_lora.config import StudentSpec, TrainConfig
-from qat_lora.launch import chip_rank, tpu_visibility_env
-from qat_lora.sharding import shard_dim
-from qat_lora.student import build_student, make_trainable_, set_storage_dtype_
+from qat_lora.train.config import StudentSpec, TrainConfig
+from qat_lora.runtime.launch import chip_rank, tpu_visibility_env
+from qat_lora.runtime.sharding import shard_dim
+from qat_lora.train.student import build_student, make_trainable_, set_storage_dtype_
 
 
 @pytest.mark.parametrize("host", [4, 8])
@@ -59,7 +59,7 @@ def test_num_chips_zero_is_the_default_and_negative_is_refused(tmp_path):
 
 
 def test_build_cache_num_chips_is_a_count_and_leaves_the_resume_fingerprint_alone():
-    from qat_lora.config_data import CacheBuildConfig
+    from qat_lora.cache.config import CacheBuildConfig
 
     with pytest.raises(ValueError, match=r"^--num-chips -1: must be >= 0"):
         CacheBuildConfig(teacher="t", data=["d"], num_chips=-1)
@@ -92,7 +92,7 @@ def _storage_student(model_dir, storage: str):
 
 
 def test_bf16_storage_keeps_no_fp32_latent_weight_and_matches_the_fp32_student(teacher_dir):
-    from qat_lora.quant import FakeQuantLinear, quantizer_parameters
+    from qat_lora.quant.fake_quant import FakeQuantLinear, quantizer_parameters
 
     fp32, bf16 = _storage_student(teacher_dir, "fp32"), _storage_student(teacher_dir, "bf16")
     layers = [m for m in bf16.modules() if isinstance(m, FakeQuantLinear)]
@@ -128,7 +128,7 @@ def test_bf16_storage_keeps_no_fp32_latent_weight_and_matches_the_fp32_student(t
 
 
 def test_selecting_chips_sets_the_variables_once_and_keeps_the_users_own(monkeypatch):
-    from qat_lora import launch
+    from qat_lora.runtime import launch
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
     monkeypatch.setattr(os, "environ", environ)  # what select_tpu_chips sets stays in this test
@@ -150,7 +150,7 @@ def test_selecting_chips_sets_the_variables_once_and_keeps_the_users_own(monkeyp
 
 
 def test_all_chips_means_one_device_off_a_tpu_host(monkeypatch):
-    from qat_lora import launch
+    from qat_lora.runtime import launch
 
     monkeypatch.setattr(launch.dev, "tpu_present", lambda: False)
     assert launch.chips_to_use(0, "cpu") == launch.chips_to_use(0, "xla") == 1
@@ -161,7 +161,7 @@ def test_all_chips_means_one_device_off_a_tpu_host(monkeypatch):
 
 
 def test_fsdp_without_xla_is_a_one_line_error():
-    from qat_lora.launch import run
+    from qat_lora.runtime.launch import run
 
     with pytest.raises(ValueError, match=r"^--parallel fsdp with --device cpu: SPMD needs --device xla or tpu"):
         run(TrainConfig(model="m", device="cpu", num_chips=2, parallel="fsdp"), log=lambda _: None)

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qat_lora.cache import KDCache
-from qat_lora.cache_build import build_cache
-from qat_lora.config_data import CacheBuildConfig
+from qat_lora.cache.reader import KDCache
+from qat_lora.cache.builder import build_cache
+from qat_lora.cache.config import CacheBuildConfig
 
 if importlib.util.find_spec("torch_xla") is None:
     if os.environ.get("CI"):
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cli(*args: str, devices: int = 1, timeout: int = 500) -> subprocess.CompletedProcess:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "qat_lora.cli", *args], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "qat_lora", *args], env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -75,10 +75,10 @@ def test_a_two_chip_xla_build_equals_the_one_process_build(tmp_path, teacher_dir
 SHARD = """
 import json, sys
 import torch, torch_xla
-from qat_lora.config import StudentSpec
-from qat_lora.distributed import SpmdBackend
-from qat_lora.sharding import FsdpBackend, device_bytes, shard_shape
-from qat_lora.student import build_student, make_trainable_, set_storage_dtype_
+from qat_lora.train.config import StudentSpec
+from qat_lora.runtime.distributed import SpmdBackend
+from qat_lora.runtime.sharding import FsdpBackend, device_bytes, shard_shape
+from qat_lora.train.student import build_student, make_trainable_, set_storage_dtype_
 
 fsdp = FsdpBackend()  # turns SPMD on, over the CPU_NUM_DEVICES devices
 device = torch_xla.device()
@@ -91,7 +91,7 @@ for storage in ("fp32", "bf16"):
         report[f"{name}-{storage}"] = device_bytes(frozen)
         report[f"total-{storage}"] = sum(p.numel() * p.element_size() for p in frozen)
         report[f"trainable-{storage}"] = device_bytes([p for p in model.parameters() if p.requires_grad])
-from qat_lora.quant import quantizer_parameters
+from qat_lora.quant.fake_quant import quantizer_parameters
 quantizer = {id(p) for p in quantizer_parameters(model)}
 report["frozen_numel"] = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in quantizer)
 # The spec arithmetic against the shards the runtime really holds (a transfer; test only).
@@ -160,8 +160,8 @@ TIED = """
 import json
 import torch, torch_xla
 from transformers import AutoModelForCausalLM, LlamaConfig
-from qat_lora.distributed import Backend
-from qat_lora.sharding import FsdpBackend, device_bytes
+from qat_lora.runtime.distributed import Backend
+from qat_lora.runtime.sharding import FsdpBackend, device_bytes
 
 def tied_model():
     torch.manual_seed(0)

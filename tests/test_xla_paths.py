@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from qat_lora.cache import KDCache
-from qat_lora.cache_build import build_cache
-from qat_lora.config_data import CacheBuildConfig
+from qat_lora.cache.reader import KDCache
+from qat_lora.cache.builder import build_cache
+from qat_lora.cache.config import CacheBuildConfig
 
 if importlib.util.find_spec("torch_xla") is None:
     if os.environ.get("CI"):
@@ -39,9 +39,9 @@ BUILD = """
 import json, sys
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from qat_lora import device as dev
-from qat_lora.cache_build import build_cache
-from qat_lora.config_data import CacheBuildConfig
+from qat_lora.runtime import device as dev
+from qat_lora.cache.builder import build_cache
+from qat_lora.cache.config import CacheBuildConfig
 
 teacher, corpus, out = sys.argv[1:4]
 cases = {"short": dict(max_tokens=1000, encoding="topk"), "long": dict(max_tokens=2500, encoding="topk"),
@@ -132,8 +132,8 @@ def test_bf16_teacher_and_matmul_precision_are_recorded(xla_builds):
 TRAIN = """
 import json, sys
 import torch_xla.debug.metrics as met
-from qat_lora.config import TrainConfig
-from qat_lora.train import train
+from qat_lora.train.config import TrainConfig
+from qat_lora.train.trainer import train
 
 teacher, cache, out = sys.argv[1:4]
 report = {}
@@ -162,7 +162,8 @@ from pathlib import Path
 import torch, torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from qat_lora import checkpoint as ckpt, device as dev
+from qat_lora.train import checkpoint as ckpt
+from qat_lora.runtime import device as dev
 
 out, device, report = Path(sys.argv[1]), torch_xla.device(), {}
 for layers in (2, 20):

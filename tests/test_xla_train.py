@@ -41,10 +41,10 @@ import json, sys
 import torch_xla.backends as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from qat_lora import device as dev
-from qat_lora.config import EvalConfig, TrainConfig
-from qat_lora.evaluate import evaluate
-from qat_lora.train import train
+from qat_lora.runtime import device as dev
+from qat_lora.train.config import EvalConfig, TrainConfig
+from qat_lora.commands.evaluate import evaluate
+from qat_lora.train.trainer import train
 
 teacher, cache, out = sys.argv[1:4]
 quiet, report = (lambda _: None), {}
@@ -107,8 +107,8 @@ def test_matmul_precision_is_recorded_and_restored(notebook):
 FRESH = """
 import json, sys
 import torch_xla.debug.metrics as met
-from qat_lora.config import TrainConfig
-from qat_lora.train import train
+from qat_lora.train.config import TrainConfig
+from qat_lora.train.trainer import train
 
 teacher, cache, out = sys.argv[1:4]
 summary = train(TrainConfig(model=teacher, cache=cache, quant="lut2g32", out=out, max_steps=4, batch_size=2,
@@ -132,11 +132,11 @@ def test_a_fresh_process_loads_its_graphs_from_the_persistent_cache(notebook, te
 SPMD = """
 import json, sys
 import torch, torch_xla
-from qat_lora import device as dev
-from qat_lora.cache import KDCache
-from qat_lora.config import TrainConfig
-from qat_lora.distributed import SpmdBackend
-from qat_lora.train import train
+from qat_lora.runtime import device as dev
+from qat_lora.cache.reader import KDCache
+from qat_lora.train.config import TrainConfig
+from qat_lora.runtime.distributed import SpmdBackend
+from qat_lora.train.trainer import train
 
 teacher, cache, out = sys.argv[1:4]
 backend = SpmdBackend()

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from qat_lora import checkpoint as ckpt
-from qat_lora.cache import KDCache
-from qat_lora.config import EvalConfig, StudentSpec, TrainConfig
-from qat_lora.evaluate import evaluate
-from qat_lora.launch import free_port
-from qat_lora.metrics import kd_metrics
-from qat_lora.student import load_student
-from qat_lora.train import train
+from qat_lora.train import checkpoint as ckpt
+from qat_lora.cache.reader import KDCache
+from qat_lora.train.config import EvalConfig, StudentSpec, TrainConfig
+from qat_lora.commands.evaluate import evaluate
+from qat_lora.runtime.launch import free_port
+from qat_lora.train.metrics import kd_metrics
+from qat_lora.train.student import load_student
+from qat_lora.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COUNTED_RANK = """
 import atexit, json, sys
 import torch.distributed as dist
-from qat_lora import distributed
+from qat_lora.runtime import distributed
 calls = {"agree": 0, "all_reduce": 0}
 agree, all_reduce = distributed.TorchDistributedBackend.agree, dist.all_reduce
 def counted_agree(self, *args):
@@ -42,7 +42,7 @@ def counted_all_reduce(*args, **kwargs):
     return all_reduce(*args, **kwargs)
 distributed.TorchDistributedBackend.agree, dist.all_reduce = counted_agree, counted_all_reduce
 atexit.register(lambda: open(sys.argv[1], "w").write(json.dumps(calls)))
-from qat_lora.cli import main
+from qat_lora.commands.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -115,7 +115,7 @@ def test_evaluation_runs_under_the_training_autocast(teacher_dir, cache_dir, tmp
 def test_evaluation_sums_stay_exact_past_the_float32_integer_range(teacher_dir, cache_dir, monkeypatch):
     # Counts per batch are exact in fp32; their total (past 2^24) is not: the sums must be taken in float64 on the
     # host (a float64 accumulator on the device would be fp32 on a TPU).
-    from qat_lora import metrics
+    from qat_lora.train import metrics
 
     per_batch = 3_000_001.0
 
@@ -136,7 +136,7 @@ def test_evaluation_sums_stay_exact_past_the_float32_integer_range(teacher_dir, 
 
 
 def test_the_new_flags_refuse_bad_values_in_one_line(teacher_dir, cache_dir, tmp_path):
-    from qat_lora.device import default_loss_chunk_size
+    from qat_lora.runtime.device import default_loss_chunk_size
 
     with pytest.raises(ValueError, match=r"^--matmul-precision 'fast': choose one of default, high, highest$"):
         _cfg(teacher_dir, cache_dir, tmp_path, matmul_precision="fast")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import qat_lora.assets as assets
+import qat_lora.data.assets as assets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKES = textwrap.dedent('''
     import hashlib, io, json, tarfile, time, zipfile
     from pathlib import Path
-    import qat_lora.assets as A
+    import qat_lora.data.assets as A
 
     NEWS = "Fires burn near Sydney today.\\nTwo men were charged.\\n"
     A.NEWS_SHA256 = hashlib.sha256(("\\n\\n".join(A.news_documents(NEWS)) + "\\n").encode()).hexdigest()

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from qat_lora import models
-from qat_lora.cache import KDCache, verify_cache
-from qat_lora.cli import main
-from qat_lora.files import OWNER_KEY, FolderLock
+from qat_lora.data import models
+from qat_lora.cache.reader import KDCache, verify_cache
+from qat_lora.commands.cli import main
+from qat_lora.runtime.files import OWNER_KEY, FolderLock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,7 +174,7 @@ def test_a_stop_signal_ends_a_multi_chip_build_with_143_and_resume_completes_it(
     argv = ["build-cache", "--num-chips", "2", "--device", "cpu", "--teacher", str(teacher_dir), "--data",
             str(corpus_dir), "--out", str(out), "--seq-len", "32", "--encoding", "topk", "--top-k", "4", "--max-tokens", "0",
             "--batch-size", "1", "--shard-sequences", "2"]
-    launcher = subprocess.Popen([sys.executable, "-m", "qat_lora.cli", *argv], env={**os.environ, "PYTHONPATH": str(ROOT)},
+    launcher = subprocess.Popen([sys.executable, "-m", "qat_lora", *argv], env={**os.environ, "PYTHONPATH": str(ROOT)},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         builders = _children(launcher.pid, 2)
@@ -284,8 +284,8 @@ def test_generate_data_stamps_its_report_and_never_writes_among_a_users_files(te
 
 
 def test_a_builder_among_several_clears_only_its_own_rank_s_temp_files(teacher_dir, corpus_dir, tmp_path):
-    from qat_lora.cache_build import prepare_out
-    from qat_lora.config_data import CacheBuildConfig
+    from qat_lora.cache.builder import prepare_out
+    from qat_lora.cache.config import CacheBuildConfig
 
     out = tmp_path / "cache"
     out.mkdir()

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from qat_lora.cache import KDCache, verify_cache
-from qat_lora.cache_build import build_cache
-from qat_lora.cli import main
-from qat_lora.config_data import CacheBuildConfig
-from qat_lora.files import sha256_file
+from qat_lora.cache.reader import KDCache, verify_cache
+from qat_lora.cache.builder import build_cache
+from qat_lora.commands.cli import main
+from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.runtime.files import sha256_file
 
 
 def _config(teacher_dir, corpus_dir, out, **kw) -> CacheBuildConfig:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qat_lora import checkpoint as ckpt
-from qat_lora.config import TrainConfig
-from qat_lora.train import train
+from qat_lora.train import checkpoint as ckpt
+from qat_lora.train.config import TrainConfig
+from qat_lora.train.trainer import train
 
 
 def _cfg(teacher_dir, cache_dir, out, **kw) -> TrainConfig:

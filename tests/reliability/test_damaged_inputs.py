@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import safetensors.numpy
-from qat_lora.cli import main
+from qat_lora.commands.cli import main
 
 from .test_user_mistakes import run_cli
 
@@ -131,8 +131,8 @@ def test_truncated_adapter_is_one_line(run_w2, teacher_dir, corpus_dir, tmp_path
 @pytest.fixture(scope="module")
 def loose_quantizer(tmp_path_factory, teacher_dir) -> Path:
     """A w2g32 quantizer.safetensors copied out of its run (nothing records its preset any more)."""
-    from qat_lora.config import StudentSpec
-    from qat_lora.student import build_student, save_quantizer_state
+    from qat_lora.train.config import StudentSpec
+    from qat_lora.train.student import build_student, save_quantizer_state
 
     path = tmp_path_factory.mktemp("loose") / "quantizer.safetensors"
     save_quantizer_state(build_student(StudentSpec(str(teacher_dir), "w2g32")), path)

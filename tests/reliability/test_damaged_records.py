@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qat_lora.cli import main
+from qat_lora.commands.cli import main
 
 from .test_user_mistakes import run_cli
 
@@ -156,7 +156,7 @@ def test_train_refuses_a_quantizer_of_another_preset(finished, teacher_dir, cach
 
 
 def test_quantize_never_saves_a_nan_init(teacher_dir, cache_dir, tmp_path, capsys, monkeypatch):
-    import qat_lora.ptq as ptq
+    import qat_lora.commands.quantize as ptq
 
     def explode(model, *args, **kwargs):  # a block-wise stage that diverged
         for name, p in ptq.quantizer_state_dict(model).items():

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qat_lora.train as train_module
-from qat_lora import checkpoint as ckpt
-from qat_lora.cli import main
-from qat_lora.config import TrainConfig
-from qat_lora.runs import RunDiverged
+import qat_lora.train.trainer as train_module
+from qat_lora.train import checkpoint as ckpt
+from qat_lora.commands.cli import main
+from qat_lora.train.config import TrainConfig
+from qat_lora.runtime.runs import RunDiverged
 
 
 @pytest.fixture

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import qat_lora.assets
-import qat_lora.train as train_module
+import qat_lora.data.assets
+import qat_lora.train.trainer as train_module
 from qat_lora import __version__
-from qat_lora.assets import Assets
-from qat_lora.cli import main
-from qat_lora.config_use import DemoConfig
-from qat_lora.demo import run_demo
+from qat_lora.data.assets import Assets
+from qat_lora.commands.cli import main
+from qat_lora.export.config import DemoConfig
+from qat_lora.commands.demo import run_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {"build_kd_cache.py": "--teacher", "train_recovery_lora.py": "--model", "train_qat.py": "--model",
@@ -49,7 +49,7 @@ def test_qat_lora_version():
 def test_single_process_build_names_no_rank_warns_of_a_one_sequence_holdout_and_no_xla_noise(teacher_dir, corpus_dir,
                                                                                               tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "USE_TORCH_XLA")}
-    argv = [sys.executable, "-m", "qat_lora.cli", "build-cache", "--teacher", str(teacher_dir), "--data",
+    argv = [sys.executable, "-m", "qat_lora", "build-cache", "--teacher", str(teacher_dir), "--data",
             str(corpus_dir), "--seq-len", "32", "--max-tokens", "300", "--holdout-fraction", "0.1", "--out",
             str(tmp_path / "cache"), "--device", "cpu"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": str(ROOT)})
@@ -73,7 +73,7 @@ def test_eval_shows_progress(teacher_dir, corpus_dir, cache_dir, capsys):
 def test_demo_stopped_by_sigterm_names_a_command_that_continues_it(tmp_path, teacher_dir, corpus_dir, monkeypatch,
                                                                    capsys):
     assets = Assets(root=tmp_path, teacher_dir=teacher_dir, train_text_dir=corpus_dir, eval_text=corpus_dir / "b.txt")
-    monkeypatch.setattr(qat_lora.assets, "fetch_assets", lambda root=None, **_: assets)
+    monkeypatch.setattr(qat_lora.data.assets, "fetch_assets", lambda root=None, **_: assets)
     cfg = DemoConfig(work_dir=str(tmp_path / "demo"), quant="w2g32", seq_len=32, encoding="topk", top_k=8,
                      cache_tokens=3_000,
                      eval_tokens=200, max_steps=4, batch_size=4, init="none", device="cpu")

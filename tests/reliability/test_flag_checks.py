@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from qat_lora import models
-from qat_lora.cli import main
+from qat_lora.data import models
+from qat_lora.commands.cli import main
 
 from tests.conftest import save_random_adapter
 from .test_user_mistakes import run_cli

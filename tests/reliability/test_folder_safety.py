@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from qat_lora.cli import main
-from qat_lora.files import owner_stamp
-from qat_lora.runs import RUN_KIND, prepare_run_dir
+from qat_lora.commands.cli import main
+from qat_lora.runtime.files import owner_stamp
+from qat_lora.runtime.runs import RUN_KIND, prepare_run_dir
 
 TRAIN = ["--batch-size", "4", "--lora-r", "4", "--warmup-steps", "1", "--device", "cpu"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qat_lora.cli import main
-from qat_lora.files import FolderLock
+from qat_lora.commands.cli import main
+from qat_lora.runtime.files import FolderLock
 from tests.conftest import make_model_dir
 
 FAST = ["--batch-size", "4", "--lora-r", "4", "--warmup-steps", "1", "--device", "cpu"]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from qat_lora.cli import main
-from qat_lora.launch import RankExits
+from qat_lora.commands.cli import main
+from qat_lora.runtime.launch import RankExits
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 20  # --dist-timeout-s: how long a healthy rank waits in a collective (set-up included: 2 busy cores)
@@ -49,7 +49,7 @@ def _wait_for(path: Path, launcher: subprocess.Popen, deadline_s: float = 240) -
 ])
 def test_a_rank_that_hangs_or_dies_is_named_and_every_rank_ends(fault, message, teacher_dir, cache_dir, tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "qat_lora.cli", "train", "--num-chips", "2", "--device", "cpu", "--model",
+    cmd = [sys.executable, "-m", "qat_lora", "train", "--num-chips", "2", "--device", "cpu", "--model",
            str(teacher_dir), "--cache", str(cache_dir), "--quant", "w2g32", "--out", str(run), "--max-steps", "100000",
            "--batch-size", "2", "--lora-r", "4", "--log-steps", "1", "--save-steps", "0",
            "--dist-timeout-s", str(TIMEOUT_S)]
@@ -101,7 +101,7 @@ def test_more_chips_than_cores_is_refused_before_anything_starts(teacher_dir, ca
     ("1", RuntimeError("Timed out waiting 20000ms for recv operation"), False),  # no peers: not a lost rank
 ])
 def test_a_rank_reports_a_lost_peer_only_for_collective_failures(world_size, error, lost, tmp_path, monkeypatch):
-    from qat_lora.launch import STATUS_ENV, report_lost_peer
+    from qat_lora.runtime.launch import STATUS_ENV, report_lost_peer
 
     monkeypatch.setenv("WORLD_SIZE", world_size)
     monkeypatch.setenv("RANK", "1")

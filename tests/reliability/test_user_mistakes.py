@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qat_lora.cli import main
+from qat_lora.commands.cli import main
 
 MISSING = [
     (["build-cache", "--data", "{corpus}", "--out", "{out}"], "--teacher is required"),

@@ -1,0 +1,475 @@
+"""The KD cache builder (DESIGN §2): the teacher runs once; its targets are read thousands of times.
+
+Rank r of W takes the sequences with index = r (mod W) of each split, runs the teacher in fixed-shape
+batches, and hands the device results to a background writer that encodes (docs/cache-format.md), writes
+each shard under a temporary name, renames it, and records it in `progress-r{r}.json`. `--resume` continues
+after the last recorded shard, so a killed build ends byte-identical to an uninterrupted one. When every
+rank is done, `merge` (automatic for one rank) writes the single `manifest.json` the reader (cache.py) needs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from qat_lora import __version__
+
+from qat_lora.data import text as data
+
+from qat_lora.runtime import device as dev
+
+from qat_lora.data import models
+from qat_lora.cache.reader import MANIFEST, SCHEMA_VERSION
+from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.runtime.distributed import Backend
+from qat_lora.runtime.files import (SAFETENSORS_TEMP, FolderLock, apply_umask, atomic_write_json, check_out_apart_from_inputs,
+                    owner_stamp, read_record, save_debris, save_safetensors, sha256_file)
+from qat_lora.runtime.runs import StopSignal
+
+
+_TEACHER_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.TEACHER_DTYPES
+
+
+def _row_seed(seed: int, split: str, row: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{split}/{row}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _stack_rows(rows: list[dict[str, np.ndarray]], ragged: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Rows -> shard tensors: fixed-shape keys stacked, ragged keys concatenated with `{key}_offsets`."""
+    out = {}
+    for key in rows[0]:
+        if key in ragged:
+            lengths = [len(r[key]) for r in rows]
+            out[key] = np.concatenate([r[key] for r in rows])
+            out[f"{key}_offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        else:
+            out[key] = np.stack([r[key] for r in rows])
+    return out
+
+
+class _ShardWriter:
+    """Background writer: packs rows, writes `name.tmp`, renames, records progress — in submission order."""
+
+    def __init__(self, out: Path, encoding, vocab_size: int, progress_path: Path, progress: dict) -> None:
+        self.out, self.encoding, self.vocab_size = out, encoding, vocab_size
+        self.progress_path, self.progress = progress_path, progress
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pending: list[Future] = []
+
+    def submit(self, split: str, name: str, base: dict[str, np.ndarray], selected: list[dict], rows: list[int]) -> None:
+        """Queue one shard; `rows` = [start, stop, step] of its global sequence indices."""
+        while len(self.pending) >= 2:  # bound the memory held by queued shards
+            self.pending.pop(0).result()
+        self.pending.append(self.pool.submit(self._write, split, name, base, selected, rows))
+
+    def _write(self, split: str, name: str, base: dict[str, np.ndarray], selected: list[dict], rows: list[int]) -> None:
+        packed = [self.encoding.pack_row(s, self.vocab_size) for s in selected]
+        arrays = {**base, **_stack_rows(packed, self.encoding.ragged_keys)}
+        try:
+            save_safetensors(arrays, self.out / name)  # the umask's modes: caches are meant to be shared
+        except BaseException:
+            (self.out / (name + ".tmp")).unlink(missing_ok=True)  # a full disk leaves no half shard, not even its temp
+            raise
+        self.progress["shards"][split].append({"file": name, "rows": rows, "bytes": (self.out / name).stat().st_size,
+                                               "sha256": sha256_file(self.out / name)})
+        atomic_write_json(self.progress_path, self.progress)
+
+    def close(self) -> None:
+        for future in self.pending:
+            future.result()
+        self.pool.shutdown()
+
+
+def _load_progress(cfg: CacheBuildConfig, out: Path, corpus: str) -> dict:
+    """This rank's progress record: fresh, or (--resume) the interrupted build's, refused when its arguments, its
+    corpus or its shards changed since (the teacher is checked once loaded: `_check_teacher`). Cheap checks
+    only: nothing has loaded yet and nothing is written."""
+    path = out / f"progress-r{cfg.rank:03d}.json"
+    fresh = {**owner_stamp("cache"), "fingerprint": cfg.fingerprint(), "rank": cfg.rank, "corpus_sha256": corpus,
+             "shards": {s: [] for s in data.SPLITS}}
+    if not cfg.resume or not path.exists():
+        return fresh
+    progress = json.loads(path.read_text())
+    if progress.get("fingerprint") != cfg.fingerprint():
+        raise ValueError(f"--resume: {out} was built with other arguments; rerun with the same flags"
+                         f"{cfg.earlier_default_hint(progress.get('fingerprint'))} or --overwrite")
+    # Progress records from before the identities were kept hold no corpus_sha256: nothing to compare.
+    if progress.setdefault("corpus_sha256", corpus) != corpus:
+        raise ValueError(f"--data {' '.join(cfg.data)}: the corpus changed since this build started; rebuild with "
+                         "--overwrite or restore it")
+    for split in data.SPLITS:
+        for shard in progress["shards"][split]:
+            file = out / shard["file"]
+            if not file.is_file() or sha256_file(file) != shard["sha256"]:
+                raise ValueError(f"--resume: shard {file} is missing or changed; rebuild with --overwrite")
+    return {**progress, **owner_stamp("cache")}
+
+
+def _check_teacher(cfg: CacheBuildConfig, progress: dict, identity: dict) -> None:
+    """Record the teacher's identity in the progress, or (--resume) refuse a teacher whose weights or config
+    changed since the build started: its new shards would mix two teachers' targets."""
+    teacher = {k: identity[k] for k in ("weights_sha256", "config_sha256")}
+    if progress.setdefault("teacher", teacher) != teacher:  # older records: none to compare
+        raise ValueError(f"--teacher {cfg.teacher}: the teacher changed since this build started (weights or config); "
+                         "rebuild with --overwrite or restore it")
+
+
+def _finished(cfg: CacheBuildConfig) -> bool:
+    """--resume on a cache whose build finished with these same arguments (its merged manifest exists): true for
+    each rank of a multi-rank build too, so rerunning `build-cache --num-chips N --resume` is a no-op."""
+    out = Path(cfg.out)
+    progress = out / f"progress-r{cfg.rank:03d}.json"
+    if not (cfg.resume and (out / MANIFEST).exists() and progress.exists()):  # merged: every rank finished
+        return False
+    return json.loads(progress.read_text()).get("fingerprint") == cfg.fingerprint()
+
+
+# Every name a build writes in its folder (shards, progress, partial and merged manifests, their temp files,
+# and the temp file safetensors itself saves through).
+_BUILD_FILE = re.compile(r"((train|heldout)-r\d{3}-\d{5}\.safetensors|progress-r\d{3}\.json|manifest(-r\d{3})?\.json)"
+                         r"(\.tmp)?|" + SAFETENSORS_TEMP.pattern)
+
+
+def check_out_path(cfg: CacheBuildConfig) -> Path:
+    """--out as a folder apart from every input (the launcher checks it before taking the folder's lock)."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; pass a folder for the cache")
+    check_out_apart_from_inputs(out, {"--teacher": cfg.teacher, "--data": cfg.data})
+    return out
+
+
+def _check_out(cfg: CacheBuildConfig) -> Path:
+    """Refuse an --out that cannot take this build, before any model loads. A folder holding anything a build
+    did not write (a model, another project) is refused outright: nothing of the user's is ever deleted."""
+    out = check_out_path(cfg)
+    foreign = sorted(p.name for p in out.iterdir() if not _BUILD_FILE.fullmatch(p.name)) if out.exists() else []
+    if foreign:
+        raise ValueError(f"--out {out}: holds files a cache build did not write ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}); pass an empty or new folder")
+    mine = f"-r{cfg.rank:03d}-"
+    if (out / MANIFEST).exists() and not cfg.overwrite:
+        raise ValueError(f"--out {out}: a cache already exists there; pass --overwrite or choose another folder")
+    if not cfg.resume and any(mine in p.name for p in out.glob("*.safetensors")) and not cfg.overwrite:
+        whose = f" of rank {cfg.rank}" if cfg.world_size > 1 else ""
+        raise ValueError(f"--out {out}: holds an unfinished build{whose}; pass --resume or --overwrite")
+    return out
+
+
+def prepare_out(cfg: CacheBuildConfig) -> Path:
+    """Create or reuse the checked cache folder; --overwrite removes only what a build wrote there."""
+    out = _check_out(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    clear_debris(cfg, every_rank=cfg.world_size == 1)
+    if cfg.overwrite:
+        for old in out.iterdir():
+            old.unlink()  # all of them match _BUILD_FILE (checked above)
+    return out
+
+
+def clear_debris(cfg: CacheBuildConfig, every_rank: bool) -> None:
+    """Remove what saves killed mid-write left in --out (half-written files never carry a real name): every
+    rank's when no builder runs yet (`every_rank`), else only this rank's own, as another rank's temp file may be
+    in flight right now. Only names a build writes: a user's `notes.tmp` stays."""
+    out, mine = Path(cfg.out), re.compile(rf"-r{cfg.rank:03d}[-.]")
+    for stale in save_debris(out) if out.is_dir() else []:
+        if _BUILD_FILE.fullmatch(stale.name) and (every_rank or mine.search(stale.name)):
+            stale.unlink()
+
+
+def _tokenise(cfg: CacheBuildConfig, files: list[Path], tokenizer) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    docs = data.tokenized_documents(files, tokenizer, cfg.text_field, chat=cfg.chat,
+                                   decoding=cfg.text_decoding())
+    streams = data.split_token_streams(docs, tokenizer, cfg.holdout_fraction, cfg.max_tokens or None)
+    if not streams["train"]:
+        raise ValueError(f"--data {' '.join(cfg.data)}: no text found (empty corpus)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prefix = models.sequence_prefix(tokenizer)  # Gemma's BOS opens every sequence, as in its training
+    return {s: data.pack(streams[s], cfg.seq_len, pad_id=pad, prefix=prefix) for s in data.SPLITS}
+
+
+def _load_teacher(cfg: CacheBuildConfig):
+    tokenizer = models.load_tokenizer(cfg.teacher)
+    teacher = models.load_causal_lm(cfg.teacher)
+    limit = models.max_positions(teacher)
+    if limit is not None and cfg.seq_len > limit:
+        raise ValueError(f"--seq-len {cfg.seq_len}: longer than the teacher's context ({limit} positions)")
+    if cfg.encoding == "topk" and cfg.top_k > models.vocab_size(teacher):
+        raise ValueError(f"--top-k {cfg.top_k}: larger than the vocabulary ({models.vocab_size(teacher)})")
+    return tokenizer, teacher
+
+
+def _teacher_to(teacher: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                backend: Backend | None = None) -> None:
+    """Parameters to `dtype` on `device` (fsdp: split over the devices as they move); buffers stay fp32, as
+    from_pretrained(dtype=...) leaves them (the rotary frequencies in bf16 would shift every position's angle)."""
+    for param in teacher.parameters():
+        param.data = param.data.to(dtype)
+    (backend or Backend()).shard_model_(teacher.requires_grad_(False), device)  # frozen: fsdp splits it all
+
+
+def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print, backend: Backend | None = None) -> Path:
+    """Run the teacher over this rank's sequences and write its shards; with one rank also the manifest.
+
+    `backend`: an SPMD one (launch.build_cache_on_chips with `--parallel spmd / fsdp`) spreads each batch over the
+    host's XLA devices, `batch_size` rows per device, and with fsdp the teacher's weights too
+    (sharding.FsdpBackend), so a teacher larger than one chip fits; the shards are the same as one device's.
+    Returns the manifest path (one rank) or this rank's partial manifest (several ranks).
+    Raises:
+        ValueError: missing teacher or data, empty corpus, seq_len beyond the teacher's context, an existing
+            cache without --overwrite, a --resume whose arguments, corpus or teacher differ from the interrupted
+            build's.
+        SystemExit: 128 + the signal after SIGTERM / SIGINT, once the shards already queued are written (the
+            build then continues with --resume).
+    """
+    files = data.list_text_files(cfg.data)  # cheap checks first: a typo should not wait for the teacher
+    if _finished(cfg):  # a preemption loop may rerun the build once more after it completed
+        log(f"{cfg.out}: this build is already complete; nothing to resume")
+        return Path(cfg.out) / MANIFEST
+    out = _check_out(cfg)
+    corpus = data.corpus_fingerprint(files)
+    progress = _load_progress(cfg, out, corpus)
+    tokenizer, teacher = _load_teacher(cfg)
+    identity = models.model_fingerprint(teacher, cfg.teacher)  # of the weights as stored, whatever --dtype runs
+    _check_teacher(cfg, progress, identity)
+    packed = _tokenise(cfg, files, tokenizer)
+    prepare_out(cfg)
+    backend = backend or Backend()
+    # A builder among several on this host (launch.build_cache_on_chips, torchrun) drives its own GPU.
+    device = dev.prepare_process(dev.resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0")),
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    _teacher_to(teacher, device, _TEACHER_DTYPE[cfg.dtype], backend)
+    encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
+    writer = _ShardWriter(out, encoding, vocab, out / f"progress-r{cfg.rank:03d}.json", progress)
+    # Until here a stop signal ends the process at once (nothing is written yet); from here it ends the build
+    # between batches, after the shards already queued.
+    with StopSignal() as stop:
+        try:
+            elapsed, xla_loop = _run_teacher(cfg, teacher, device, backend, encoding, packed, writer, stop, log)
+        except _Stopped as stopped:
+            writer.close()  # the shards already queued are whole and recorded: --resume continues after them
+            log(f"stopped by {signal.Signals(stopped.signum).name}: {sum(map(len, progress['shards'].values()))} "
+                "shard(s) kept; rerun the same command with --resume to continue")
+            raise SystemExit(128 + stopped.signum) from None
+    partial = {**owner_stamp("cache"), "rank": cfg.rank, "world_size": cfg.world_size, "shards": progress["shards"],
+               "sequences": {s: len(packed[s][0]) for s in data.SPLITS},
+               "tokens": {s: int(packed[s][1].sum()) for s in data.SPLITS},
+               "header": _header(cfg, corpus, identity, tokenizer, vocab, encoding),
+               "seconds": round(elapsed, 2)}
+    if dev.is_xla(device):
+        partial["xla"] = xla_loop  # this rank's batch loop: one graph per batch shape, one run per batch
+    path = out / f"manifest-r{cfg.rank:03d}.json"
+    atomic_write_json(path, partial)
+    log(f"{f'rank {cfg.rank}: ' if cfg.world_size > 1 else ''}shards written in {elapsed:.1f} s")
+    return merge_manifests(out, log) if cfg.world_size == 1 else path
+
+
+class _Stopped(Exception):
+    """A stop signal arrived: the build ends between batches (the shard being gathered is abandoned)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _run_teacher(cfg: CacheBuildConfig, teacher, device, backend: Backend, encoding, packed: dict,
+                 writer: _ShardWriter, stop: StopSignal, log: Callable[[str], None]) -> tuple[float, dict]:
+    """Every split's shards of this rank, after those `writer.progress` already holds; returns the seconds taken
+    and the XLA counters of the batch loop ({} off XLA; laying out an fsdp teacher's shards before it is not counted).
+
+    Raises:
+        _Stopped: a stop signal arrived (the writer is left for the caller to close).
+    """
+    progress = writer.progress
+    mine = {s: np.arange(cfg.rank, len(packed[s][0]), cfg.world_size) for s in data.SPLITS}
+    done = {s: sum(len(range(*sh["rows"])) for sh in progress["shards"][s]) for s in data.SPLITS}
+    total = sum(int(packed[s][1][mine[s]].sum()) for s in data.SPLITS)
+    _warn_small_holdout(cfg, len(packed["heldout"][0]), log)
+    who = f", rank {cfg.rank} of {cfg.world_size}" if cfg.world_size > 1 else ""  # one builder has no rank to name
+    on = f"{device} ({backend.describe()})" if backend.data_parallel > 1 else f"{device}"
+    log(f"teacher {cfg.teacher} on {on}{who}: {total:,} tokens, "
+        + ", ".join(f"{s} {len(mine[s])} x {cfg.seq_len}" for s in data.SPLITS)
+        + (f", resuming after {sum(done.values())} sequences" if any(done.values()) else ""))
+    started, before = time.perf_counter(), dev.compile_metrics()
+    with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher") as bar:
+        bar.update(sum(int(packed[s][1][mine[s][:done[s]]].sum()) for s in data.SPLITS))
+        with dev.matmul_precision(device, cfg.matmul_precision):
+            for split in data.SPLITS:
+                _build_split(cfg, teacher, device, backend, encoding, split, packed[split], mine[split],
+                             done[split], writer, bar, stop)
+    writer.close()
+    loop = dev.compile_metrics_since(before)
+    if dev.is_xla(device):
+        log(f"XLA: {json.dumps(loop)}")
+    return time.perf_counter() - started, loop
+
+
+def _warn_small_holdout(cfg: CacheBuildConfig, sequences: int, log: Callable[[str], None]) -> None:
+    """A held-out split of one sequence (or none) makes every held-out number noise; say so, with the fix."""
+    if cfg.holdout_fraction > 0 and sequences <= 1:
+        log(f"warning: the held-out split holds {sequences} sequence(s) of {cfg.seq_len} tokens, too few to measure "
+            "anything; raise --holdout-fraction or --max-tokens (or add documents)")
+
+
+def _build_split(cfg, teacher, device, backend: Backend, encoding, split: str, packed: tuple[np.ndarray, np.ndarray],
+                 rows: np.ndarray, done: int, writer: _ShardWriter, bar: tqdm, stop: StopSignal) -> None:
+    input_ids, mask = packed
+    batch_size = cfg.batch_size * backend.data_parallel  # SPMD: --batch-size rows on each device
+    for shard_start in range(done, len(rows), cfg.shard_sequences):
+        shard_rows = rows[shard_start:shard_start + cfg.shard_sequences]
+        selected: list[dict] = []
+        for start in range(0, len(shard_rows), batch_size):
+            if stop.signum is not None:  # checked per batch: a large shard of a large teacher takes minutes
+                raise _Stopped(stop.signum)
+            batch_rows = shard_rows[start:start + batch_size]
+            ids = np.zeros((batch_size, cfg.seq_len), dtype=np.int64)  # fixed shape: pad the last batch
+            ids[:len(batch_rows)] = input_ids[batch_rows]
+            with torch.no_grad():
+                # SPMD: rows split over the devices and the logits kept split the same way; the selection is per
+                # row, so no device ever holds the whole B x L x V.
+                placed = backend.shard_rows_(torch.from_numpy(ids).to(device))
+                logits = backend.shard_rows_(teacher(input_ids=placed).logits)
+            seeds = [_row_seed(cfg.seed, split, int(r)) for r in batch_rows]
+            # The whole padded batch is selected (a short last batch compiles no second graph on XLA); select
+            # fetches its results in one transfer, which runs the batch's graph once, and drops the pad rows.
+            selected += encoding.select(logits, seeds)
+            bar.update(int(mask[batch_rows].sum()))
+        name = f"{split}-r{cfg.rank:03d}-{shard_start // cfg.shard_sequences:05d}.safetensors"
+        base = {"input_ids": input_ids[shard_rows].astype(np.int32), "attention_mask": mask[shard_rows]}
+        span = [int(shard_rows[0]), int(shard_rows[-1]) + cfg.world_size, cfg.world_size]  # range(*span)
+        writer.submit(split, name, base, selected, span)
+
+
+def _header(cfg: CacheBuildConfig, corpus: str, identity: dict, tokenizer, vocab: int, encoding) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "teacher": identity,
+            "tokenizer_sha256": models.tokenizer_hash(tokenizer), "vocab_size": vocab, "seq_len": cfg.seq_len,
+            "encoding": encoding.params(), "teacher_dtype": cfg.dtype, "matmul_precision": cfg.matmul_precision,
+            "corpus_sha256": corpus,
+            "builder": {"version": __version__, "args": {k: v for k, v in asdict(cfg).items()
+                                                         if k not in ("rank", "resume", "overwrite")}}}
+
+
+def unfinished_ranks(out: Path) -> list[int]:
+    """Ranks of the build in `out` without a partial manifest yet (all of them when none exists)."""
+    partials = [_read_partial(p) for p in sorted(out.glob("manifest-r*.json"))]
+    if not partials:
+        return [0]
+    return sorted(set(range(partials[0]["world_size"])) - {p["rank"] for p in partials})
+
+
+_PARTIAL_KEYS = {"rank": int, "world_size": int, "shards": dict, "sequences": dict, "tokens": dict, "header": dict,
+                 "seconds": (int, float)}
+
+
+def _read_partial(path: Path) -> dict:
+    """One rank's partial manifest, its fields checked (a damaged one is named, not a KeyError)."""
+    partial = read_record(path)
+    bad = [k for k, kind in _PARTIAL_KEYS.items() if not isinstance((partial or {}).get(k), kind)]
+    if partial is None or bad:
+        what = "not a JSON object" if partial is None else f"no valid `{bad[0]}`"
+        raise ValueError(f"{path}: not a rank's partial manifest ({what}); rerun build-cache --resume for that rank")
+    return partial
+
+
+def _same_build(a: dict, b: dict) -> bool:
+    """Whether two ranks' partial manifests come from one build (teacher, tokenizer, encoding, corpus, world)."""
+    def key(p: dict) -> str:
+        return json.dumps([p["world_size"], {k: v for k, v in p["header"].items() if k != "builder"}], sort_keys=True)
+    return key(a) == key(b)
+
+
+def gather_ranks(dest: str | Path, sources: list[str], log: Callable[[str], None] = print) -> Path:
+    """`qat-lora cache merge DEST --from A [B ...]`: bring the ranks other hosts built into their own folders
+    (`build-cache --rank R --world-size W`, same arguments) into DEST, each shard copied under a temporary name,
+    checked against its rank's sha256 and renamed, the rank's partial manifest last; then merge. A manifest never
+    reaches outside its folder, so the shards must live beside it.
+
+    Raises:
+        ValueError: a source that is not a rank's build folder, ranks of another build, or a rank DEST already has
+            from another build; a shard missing or changed.
+    """
+    dest = Path(dest)
+    if not dest.is_dir() or not [p for p in dest.iterdir() if re.fullmatch(r"(progress|manifest)-r\d{3}\.json", p.name)]:
+        raise ValueError(f"cache merge {dest}: no build there; pass the folder one host's build-cache wrote")
+    with FolderLock(dest, "cache merge"):
+        mine = [_read_partial(p) for p in sorted(dest.glob("manifest-r*.json"))]
+        for source in map(Path, sources):
+            found = sorted(source.glob("manifest-r*.json")) if source.resolve() != dest.resolve() else []
+            if not found:
+                raise ValueError(f"--from {source}: no manifest-r*.json of another folder; pass a folder that "
+                                 "build-cache --rank R wrote")
+            for path in found:
+                mine.append(_gather_rank(dest, source, path, mine))
+        log(f"{dest}: ranks {sorted(p['rank'] for p in mine)} of {mine[0]['world_size']} present")
+        return merge_manifests(dest, log)
+
+
+def _gather_rank(dest: Path, source: Path, path: Path, present: list[dict]) -> dict:
+    partial = _read_partial(path)
+    if present and not _same_build(partial, present[0]):
+        raise ValueError(f"--from {path}: another build than {dest}'s (teacher, tokenizer, encoding, corpus or world "
+                         "size differ); build every rank with the same arguments")
+    target = dest / path.name
+    if target.exists():
+        if target.read_bytes() == path.read_bytes():
+            return partial  # gathered before (a rerun of the same merge)
+        raise ValueError(f"--from {path}: {dest} already holds a rank {partial['rank']} of its own; each rank of a "
+                         "build is built once")
+    rank_tag = f"-r{partial['rank']:03d}-"
+    for split in data.SPLITS:
+        for shard in partial["shards"].get(split, []):
+            name = shard.get("file") if isinstance(shard, dict) else None
+            if not (isinstance(name, str) and _BUILD_FILE.fullmatch(name) and rank_tag in name):
+                raise ValueError(f"--from {path}: shard name {name!r} is not one of rank {partial['rank']}'s; refusing it")
+            tmp = dest / (name + ".tmp")
+            try:
+                shutil.copyfile(source / name, tmp)
+            except FileNotFoundError:
+                raise ValueError(f"--from {source}: shard {name} is missing; rebuild that rank with --resume") from None
+            if sha256_file(tmp) != shard.get("sha256"):
+                tmp.unlink()
+                raise ValueError(f"--from {source}: shard {name} differs from its manifest (sha256); rebuild that rank")
+            apply_umask(tmp)
+            os.replace(tmp, dest / name)
+    atomic_write_json(target, partial)
+    return partial
+
+
+def merge_manifests(path: str | Path, log: Callable[[str], None] = print) -> Path:
+    """Unite the ranks' partial manifests into `manifest.json`; every rank of the build must be done."""
+    out = Path(path)
+    partials = [_read_partial(p) for p in sorted(out.glob("manifest-r*.json"))]
+    if not partials:
+        raise ValueError(f"{out}: no manifest-r*.json; run build-cache first")
+    world = partials[0]["world_size"]
+    ranks = sorted(p["rank"] for p in partials)
+    if ranks != list(range(world)):
+        raise ValueError(f"{out}: ranks {ranks} finished, the build has {world}; finish the missing ranks first")
+    headers = [json.dumps({k: v for k, v in p["header"].items() if k != "builder"}, sort_keys=True) for p in partials]
+    if len(set(headers)) != 1:
+        raise ValueError(f"{out}: the ranks' manifests disagree (teacher, tokenizer, encoding or corpus)")
+    splits = {}
+    for split in data.SPLITS:
+        shards = [dict(sh, rank=p["rank"]) for p in partials for sh in p["shards"][split]]
+        splits[split] = {"sequences": partials[0]["sequences"][split], "tokens": partials[0]["tokens"][split],
+                         "shards": shards}
+        if sum(len(range(*sh["rows"])) for sh in shards) != splits[split]["sequences"]:
+            raise ValueError(f"{out}: the {split} shards do not cover its {splits[split]['sequences']} sequences")
+    manifest = {**owner_stamp("cache"), **partials[0]["header"], "world_size": world, "splits": splits,
+                "build_seconds": max(p["seconds"] for p in partials)}
+    atomic_write_json(out / MANIFEST, manifest)
+    log(f"wrote {out / MANIFEST}")
+    return out / MANIFEST

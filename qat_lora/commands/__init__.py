@@ -1,0 +1,1 @@
+"""qat_lora.commands."""

@@ -1,0 +1,46 @@
+"""`qat-lora eval`: held-out perplexity on text and KD metrics on a cache's held-out split, as JSON.
+
+    qat-lora eval --model M --quant w3g64 --adapter runs/w3g64/adapter --text wiki.txt --cache caches/kd
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from qat_lora.runtime import device as dev
+
+from qat_lora.data import models
+from qat_lora.cache.reader import KDCache
+from qat_lora.train.config import EvalConfig
+from qat_lora.runtime.checks import EVAL_KIND
+from qat_lora.export.exporter import adapter_bits_per_weight, bits_per_weight
+from qat_lora.runtime.files import atomic_write_json, owner_stamp
+from qat_lora.train.metrics import kd_metrics, perplexity
+from qat_lora.train.student import load_student, resolve_attn
+
+
+def evaluate(cfg: EvalConfig, log=print) -> dict:
+    """Run the metrics `cfg` asks for; returns (and optionally writes) a JSON-ready dict. EvalConfig has checked
+    the flags, --text, --adapter, --quantizer and --json-out already."""
+    cache = KDCache(cfg.cache) if cfg.cache else None  # a bad cache fails before the model loads, too
+    device = dev.resolve_device(cfg.device)
+    if dev.is_xla(device):
+        dev.init_xla_cache(cfg.xla_cache_dir)  # no-op when this process compiled already (a notebook's 2nd call)
+    amp_dtype = dev.autocast_dtype(device, cfg.precision)  # training's default autocast: the same loss values
+    tokenizer = models.load_tokenizer(cfg.model)
+    model = dev.move_model_(load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)), device)
+    result: dict = {"model": cfg.model, "quant": cfg.quant or None, "adapter": cfg.adapter or None,
+                    "quantizer": cfg.quantizer or None}
+    if cfg.quant:  # what the student weighs: the base's bits, and what an unmerged adapter adds to them
+        result.update(bits_per_weight=round(bits_per_weight(model), 4),
+                      adapter_bits_per_weight=round(adapter_bits_per_weight(model), 4))
+    if cfg.text:
+        result.update(perplexity(model, tokenizer, cfg.text, cfg.seq_len, cfg.max_tokens or None,
+                                 cfg.batch_size, device, cfg.text_decoding(), progress=True, amp_dtype=amp_dtype))
+    if cache is not None:
+        cache.check_compatible(tokenizer, models.vocab_size(model), models.max_positions(model))
+        result.update(kd_metrics(model, cache, cfg.batch_size, device, progress=True, amp_dtype=amp_dtype))
+    if cfg.json_out:
+        atomic_write_json(cfg.json_out, {**owner_stamp(EVAL_KIND), **result, "config": asdict(cfg)})
+    log(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,292 @@
+"""Loading teachers and students: a transformers directory, a GGUF file, or (when online) a hub name.
+
+Also the identities the cache manifest records: a tokenizer hash and a teacher fingerprint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qat_lora.runtime import device as dev
+from qat_lora.runtime.files import first_line, sha256_file
+
+
+# The model families the toolkit is tested on (tests/test_families.py: cache, GPTQ and block-wise init, training,
+# eval, generation and every export format), by transformers model_type. What differs between them and matters
+# here is read from the config where it is used: a final-logit soft-cap (`logit_softcap`), tied embeddings
+# (the model's own get_output_embeddings), sliding-window or hybrid layers (each layer's own kwargs,
+# blocks.capture_block_inputs), fused linears (Phi-3's qkv_proj / gate_up_proj: quantised and adapted whole).
+FAMILIES = {"llama": ("llama",), "qwen2": ("qwen2",), "qwen3": ("qwen3",), "gemma3": ("gemma3_text",),
+            "mistral": ("mistral",), "phi3": ("phi3",)}
+
+
+def family_of(name_or_path: str | Path) -> str | None:
+    """The tested family (a FAMILIES key) of a model folder, from its config.json; None for another model type,
+    a .gguf file or a hub name."""
+    config = read_model_config(name_or_path) or {}
+    return next((family for family, types in FAMILIES.items() if config.get("model_type") in types), None)
+
+
+def logit_softcap(config) -> float | None:
+    """The final-logit soft-cap c of a transformers config (Gemma 2: logits = c * tanh(logits / c)), or None
+    (Gemma 3, Llama, Qwen, Mistral, Phi-3)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def sequence_prefix(tokenizer) -> list[int]:
+    """The token(s) every sequence must open with: [BOS] for tokenizers that put it before any text themselves
+    (Gemma, Llama 3, Mistral: their models are trained only on sequences that start with it, and Gemma 3 270M's
+    Wikipedia perplexity is 33.5 without it against 11.4 with it), else [] (SmolLM2, Qwen)."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a")["input_ids"] if bos is not None else []
+    return [bos] if ids and ids[0] == bos else []
+
+
+def _looks_like_path(name: str) -> bool:
+    # Hub names are "name" or "org/name"; anything else path-shaped is a path that must exist.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(".gguf")
+
+
+def fetched_teacher(name: str) -> Path | None:
+    """The folder of a `qat-lora fetch-assets` teacher named as such (smollm2-135m, gemma3-270m: every command's
+    --model / --teacher takes the name), in the default asset folder; None for any other name.
+
+    Raises:
+        ValueError: the name of a teacher not fetched yet, with the command that fetches it.
+    """
+    from qat_lora.data.teachers import TEACHERS
+
+    if name not in TEACHERS:
+        return None
+    from qat_lora.data.assets import Assets, assets_ready, default_assets_dir
+
+    if not assets_ready(default_assets_dir(), name):
+        raise ValueError(f"model {name}: a fetch-assets teacher, not fetched yet into {default_assets_dir()}; run "
+                         f"`qat-lora fetch-assets --teacher {name}` (or pass a model folder)")
+    return Assets.at(default_assets_dir(), name).teacher_dir
+
+
+def _path(name_or_path: str | Path) -> Path:
+    """Where a model named by the user lies: the path itself, or a fetched teacher's folder for its name."""
+    path = Path(name_or_path).expanduser()
+    return path if path.exists() else fetched_teacher(str(name_or_path)) or path
+
+
+def _location(name_or_path: str | Path) -> tuple[str, dict]:
+    """(what from_pretrained takes, extra kwargs); GGUF files are opened through their folder + gguf_file.
+
+    Raises:
+        ValueError: a path that is not a model, or whose config.json is damaged (read_model_config).
+    """
+    name = str(name_or_path)
+    path = _path(name)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        read_model_config(path)  # a damaged config.json is named here, not in a message from deep inside transformers
+        return str(path), {}
+    if path.is_file():
+        raise ValueError(f"model {name}: a file, not a model; pass a transformers model folder or a .gguf file")
+    if path.exists() or _looks_like_path(name):
+        raise ValueError(f"model {name}: no such model folder or .gguf file")
+    return name, {}  # a hub name
+
+
+_RECOPY = "copy or download the model again"
+
+
+def read_model_config(name_or_path: str | Path) -> dict | None:
+    """The config.json of a model folder, checked (None for a .gguf file or a hub name): what commands read
+    before loading the model (its context length, its model_type), in milliseconds.
+
+    Raises:
+        ValueError: no config.json, or one that is not a JSON object with a model_type, naming the file.
+    """
+    name = str(name_or_path)
+    path = _path(name)
+    if not path.is_dir():
+        return None
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"model {name}: folder has no config.json; pass a transformers model folder or a .gguf file")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"model {name}: cannot load: {file} is not valid JSON (truncated?); {_RECOPY}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        what = "has no model_type" if isinstance(config, dict) else "is not a JSON object"
+        raise ValueError(f"model {name}: cannot load: {file} {what}, so it is no transformers config; {_RECOPY}")
+    return config
+
+
+def check_model(name_or_path: str | Path) -> None:
+    """What a config checks before anything loads: the model exists and its config.json is sound."""
+    _location(name_or_path)
+
+
+def _damaged_json(name_or_path: str | Path) -> Path | None:
+    """The first .json file of a model folder that does not parse (a cut-short copy), if any."""
+    path = _path(name_or_path)
+    for file in sorted(path.glob("*.json")) if path.is_dir() else []:
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return file
+    return None
+
+
+def load_tokenizer(name_or_path: str | Path):
+    dev.keep_torch_xla_unloaded()  # importing transformers imports accelerate, which imports torch_xla
+    from transformers import AutoTokenizer
+
+    location, kwargs = _location(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(location, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file
+        damaged = _damaged_json(name_or_path)
+        if damaged is not None:  # transformers' own message names no file (a JSONDecodeError's position only)
+            raise ValueError(f"tokenizer of {name_or_path}: cannot load: {damaged} is not valid JSON (truncated?); "
+                             f"{_RECOPY}") from None
+        raise ValueError(f"tokenizer of {name_or_path}: cannot load ({first_line(e)}); is the file complete?") from None
+
+
+def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32,
+                   attn_implementation: str | None = None) -> nn.Module:
+    """A transformers causal LM in eval mode on the CPU, fp32 by default.
+
+    Raises:
+        ValueError: missing path or unloadable model, in one line naming it.
+    """
+    dev.keep_torch_xla_unloaded()
+    from transformers import AutoModelForCausalLM
+
+    location, kwargs = _location(name_or_path)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    from safetensors import SafetensorError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
+    except SafetensorError as e:  # a weights file cut short by a full disk or an interrupted copy
+        raise ValueError(f"model {name_or_path}: a weights file is damaged or truncated ({first_line(e)}); copy or "
+                         "download the model again") from None
+    except OSError as e:
+        raise ValueError(f"model {name_or_path}: cannot load ({first_line(e)})") from None
+    return model.eval()
+
+
+def max_positions(model: nn.Module) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def vocab_size(model: nn.Module) -> int:
+    """Width of the logits (may exceed len(tokenizer) when the embedding is padded)."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the vocabulary and special tokens: equal hashes mean equal token ids for equal text."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "class": type(tokenizer).__name__.replace("Fast", ""),
+    }
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+
+
+def model_fingerprint(model: nn.Module, name_or_path: str | Path) -> dict:
+    """Identity of a teacher: where it came from, and hashes of its config and weights."""
+    config = model.config.to_dict()
+    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    weights = hashlib.sha256()
+    for key, tensor in sorted(model.state_dict().items()):
+        weights.update(key.encode())
+        weights.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return {"name_or_path": str(name_or_path), "model_type": config.get("model_type"),
+            "config_sha256": config_hash, "weights_sha256": weights.hexdigest()}
+
+
+def decoder_and_head(model: nn.Module, apply_softcap: bool = False) -> tuple[nn.Module, nn.Module]:
+    """(the decoder stack returning final normed hidden states, the output projection) of a causal LM,
+    PEFT-wrapped or not, so the loss can run lm_head itself, chunk by chunk (`apply_softcap`: the caller applies
+    `logit_softcap` after the projection, as the student's chunked loss does).
+
+    Raises:
+        ValueError: models whose logits are not a plain projection of the hidden states (a soft-cap the caller
+            does not apply, scaling).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    if (logit_softcap(config) and not apply_softcap) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
+        raise ValueError(f"{config.model_type}: logits are soft-capped or scaled; use --loss-chunk-size 0")
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def head_weight_and_bias(head: nn.Module) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+    """The effective output-projection weight (fake-quantised if the head was quantised) and bias."""
+    weight = head.quantized_weight() if hasattr(head, "quantized_weight") else head.weight
+    return weight, head.bias
+
+
+_SIGNATURE_ROWS = 8  # rows read per tensor: spread over it, so a fine-tune that touches any layer changes them
+
+
+def weights_signature(name_or_path: str | Path) -> str | None:
+    """A cheap identity of a model's weights as stored on disk, read without loading the model: sha256 over
+    every safetensors tensor's name, dtype, shape and 8 rows spread over it (a .gguf file: its size and 64
+    spread 16 KiB chunks). Two models of the same shapes differ in it; the same weights re-saved by another
+    library version do not. None for hub names, pickle checkpoints (nothing to read safely) and damaged files
+    (the model loader names those).
+
+    Quantiser and adapter files record it for the model they were made from; a run records it to refuse a
+    resume on other weights.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        return _weights_signature(_path(name_or_path))
+    except (SafetensorError, OSError):
+        return None
+
+
+def _weights_signature(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    if path.is_file() and path.suffix == ".gguf":
+        size = path.stat().st_size
+        digest.update(str(size).encode())
+        with path.open("rb") as f:
+            for i in range(64):
+                f.seek(i * max(0, size - (1 << 14)) // 63)
+                digest.update(f.read(1 << 14))
+        return digest.hexdigest()
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    opened = [safe_open(str(f), "pt") for f in files]
+    names = sorted((name, i) for i, f in enumerate(opened) for name in f.keys())
+    for name, i in names:
+        part = opened[i].get_slice(name)
+        shape, dtype = part.get_shape(), part.get_dtype()
+        digest.update(f"{name}:{dtype}:{shape}".encode())
+        rows = sorted({r * (shape[0] - 1) // (_SIGNATURE_ROWS - 1) for r in range(_SIGNATURE_ROWS)}) if shape else []
+        for tensor in [part[r:r + 1] for r in rows] if shape and shape[0] else [opened[i].get_tensor(name)]:
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def input_identities(model: str, cache: str = "", quantizer: str = "") -> dict[str, str | None]:
+    """What a run's or an init's values depend on beyond its flags, cheaply identified (no model load): the
+    model's weights (weights_signature), the cache's manifest (it holds every shard's sha256) and the starting
+    quantiser's bytes; None for what is not given or cannot be read. Runs and inits record them; a resume or a
+    reuse on changed inputs is refused."""
+    manifest = Path(cache) / "manifest.json" if cache else None
+    return {"model": weights_signature(model),
+            "cache": sha256_file(manifest) if manifest and manifest.is_file() else None,
+            "quantizer": sha256_file(quantizer) if quantizer and Path(quantizer).is_file() else None}

@@ -1,0 +1,232 @@
+"""`qat-lora generate-data`: a training corpus sampled from the teacher itself, for when there is no corpus or
+its domain differs from the one the student will serve.
+
+    qat-lora generate-data --model T --data corpus/ --tokens 100000 --out data/self
+    qat-lora generate-data --model T --prompts prompts.txt --out data/self      # one prompt per line
+    qat-lora build-cache --teacher T --data data/self --out caches/self
+
+Each sample is a prompt (the first --prefix-tokens tokens of a corpus passage, or a line of --prompts, wrapped
+in the chat template when the tokenizer has one) continued by the teacher at --temperature (1.0 = the teacher's
+own distribution, which is what distillation matches). The output is jsonl shards of {"text"} records (prompt +
+continuation; chat prompts as {"messages"}, read by build-cache --chat) plus generate.json (settings first,
+then the totals). Each shard has its own seeds and is written under a temp name, then renamed: a rerun after a
+stop skips the finished shards and produces the same files as an uninterrupted run (on the same device). A
+larger --tokens on the same folder continues the corpus (the earlier run's last shard stays as the budget cut it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from qat_lora.data import text as data
+
+from qat_lora.runtime import device as dev
+
+from qat_lora.data import models
+from qat_lora.train.config import field_defaults
+from qat_lora.cache.config import GenerateDataConfig
+from qat_lora.runtime.files import FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record
+
+REPORT_FILE = data.GENERATED_REPORT
+SHARD = "part-{index:05d}.jsonl"
+
+
+def corpus_prompts(files: list[Path], tokenizer, prefix_tokens: int, stride: int, limit: int,
+                   decoding: data.TextDecoding = data.TextDecoding()) -> list[str]:
+    """The first `prefix_tokens` tokens of every `stride`-token passage, as text, until `limit` prompts: the
+    files are read interleaved by tokens, as build-cache reads them, so a small budget still samples each file."""
+    prompts: list[str] = []
+    for _, ids in data.tokenized_documents(files, tokenizer, decoding=decoding):
+        for start in range(0, max(1, len(ids) - prefix_tokens), stride):
+            piece = ids[start:start + prefix_tokens]
+            if len(piece) == prefix_tokens:
+                prompts.append(tokenizer.decode(piece))
+            if len(prompts) == limit:
+                return prompts
+    return prompts
+
+
+def file_prompts(path: Path, decoding: data.TextDecoding = data.TextDecoding()) -> list[str]:
+    """Non-empty lines of a prompts file.
+
+    Raises:
+        ValueError: the file is missing or holds no prompt.
+    """
+    if not path.is_file():
+        raise ValueError(f"--prompts {path}: no such file; pass a text file with one prompt per line")
+    prompts = [line.strip() for line in decoding.lines(path) if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompt in it; write one prompt per line")
+    return prompts
+
+
+def _prompts(cfg: GenerateDataConfig, tokenizer, samples: int) -> tuple[list[str], bool]:
+    """(prompts, chat): the prompts cycle when the budget needs more samples than there are prompts."""
+    if cfg.prompts:
+        return file_prompts(Path(cfg.prompts), cfg.text_decoding()), not cfg.raw_prompts and tokenizer.chat_template is not None
+    prompts = corpus_prompts(data.list_text_files(cfg.data), tokenizer, cfg.prefix_tokens, cfg.stride, samples,
+                             cfg.text_decoding())
+    if not prompts:
+        raise ValueError(f"--data: no passage of {cfg.prefix_tokens} tokens; lower --prefix-tokens")
+    return prompts, False
+
+
+def _encode(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+    if chat:  # the template writes its own special tokens
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in prompts]
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return [bos + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+@torch.no_grad()
+def _sample(model, tokenizer, prompt_ids: list[list[int]], cfg: GenerateDataConfig, device: torch.device,
+            seed: int) -> list[list[int]]:
+    """One batch of continuations (token ids, EOS and padding removed); left-padded prompts, seeded sampling."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    torch.manual_seed(seed)  # generate() samples from the global generator
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
+                         top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad)
+    continuations = []
+    for row in out[:, width:].tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[:row.index(tokenizer.eos_token_id)]
+        continuations.append(row)
+    return continuations
+
+
+def _sample_shard(cfg: GenerateDataConfig, model, tokenizer, prompts: list[str], chat: bool, device: torch.device,
+                  index: int, budget: int) -> tuple[list[str], list[int]]:
+    """Shard `index`'s jsonl lines and generated tokens per sample; it stops at the first batch that meets the
+    remaining `budget` (the last shard is then a prefix of a full one)."""
+    first = index * cfg.shard_samples
+    shard_prompts = [prompts[i % len(prompts)] for i in range(first, first + cfg.shard_samples)]
+    lines, counts = [], []
+    for b in range(0, len(shard_prompts), cfg.batch_size):
+        if sum(counts) >= budget:
+            break
+        chunk = shard_prompts[b:b + cfg.batch_size]
+        # Batch seeds: one per (shard, batch); shard_samples <= 1000 (config) keeps them distinct.
+        for prompt, ids in zip(chunk, _sample(model, tokenizer, _encode(tokenizer, chunk, chat), cfg, device,
+                                              cfg.seed + 1000 * index + b)):
+            record = _record(prompt, tokenizer.decode(ids, skip_special_tokens=True), chat)
+            lines.append(json.dumps({**record, "tokens": len(ids)}, ensure_ascii=False))
+            counts.append(len(ids))
+    return lines, counts
+
+
+def _record(prompt: str, continuation: str, chat: bool) -> dict:
+    if chat:
+        return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": continuation}]}
+    return {"text": prompt + continuation}
+
+
+def _shard_tokens(path: Path) -> list[int]:
+    """Generated tokens per sample of a finished shard. Records are split on "\n" only: the text may hold
+    U+2028 or U+0085, which str.splitlines would also split on.
+
+    Raises:
+        ValueError: a line that is not a record (the file was changed by hand): names the file.
+    """
+    try:
+        return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").split("\n") if line]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{path}: not a generate-data shard ({e}); delete it to generate it again") from None
+
+
+# Every name generate-data writes in its folder: the report, the shards, and their temp files.
+_OWN_FILE = re.compile(r"(generate\.json|part-\d{5}\.jsonl)(\.tmp)?")
+
+
+def _check_out_path(out: Path, cfg: GenerateDataConfig) -> None:
+    """--out a folder apart from every input: checked before its lock is taken (which creates it)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; pass a folder")
+    check_out_apart_from_inputs(out, {"--model": cfg.model, "--data": cfg.data, "--prompts": cfg.prompts})
+
+
+def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
+    """Refuse a folder holding anything generate-data did not write, or a corpus generated with other settings
+    (never mix two corpora, never write among a user's files)."""
+    foreign = sorted(p.name for p in out.iterdir() if not (_OWN_FILE.fullmatch(p.name) and p.is_file())) \
+        if out.exists() else []
+    if foreign:
+        raise ValueError(f"--out {out}: holds other files ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}"
+                         "); pass an empty or new folder")
+    report = out / REPORT_FILE
+    if not report.exists():
+        return
+    # Reports from before the stamp existed are recognised by their keys.
+    if not owned_by(report, "generate-data", legacy_keys=("config", "complete")) or \
+            not isinstance(read_record(report).get("config"), dict):
+        raise ValueError(f"--out {out}: holds a {REPORT_FILE} that generate-data did not write; pass an empty or new "
+                         "folder")
+    # The budget may grow: shard i does not depend on it, so a larger --tokens continues the corpus. Nor does the
+    # folder's own path: a copied or moved corpus continues where it is.
+    saved = {**field_defaults(GenerateDataConfig), **read_record(report)["config"]}  # older reports lack later flags
+    if {**saved, "tokens": cfg.tokens, "out": cfg.out} != asdict(cfg):
+        raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder")
+
+
+def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -> dict:
+    """Write the corpus (resuming a stopped run) and return its report (also `out/generate.json`).
+
+    Raises:
+        ValueError: an --out that is a file, lies in or holds an input, holds other files or another corpus, or
+            that another command is writing now (FolderLock).
+    """
+    out = Path(cfg.out)
+    _check_out_path(out, cfg)
+    with FolderLock(out, "--out"):  # a second generate-data into this folder fails at once instead of mixing
+        _check_out(out, cfg)
+        return _generate(cfg, out, log)
+
+
+def _generate(cfg: GenerateDataConfig, out: Path, log: Callable[[str], None]) -> dict:
+    tokenizer = models.load_tokenizer(cfg.model)
+    # Corpus prompts for a few times the samples a full-length budget needs; an early EOS (short answers)
+    # needs more samples, and the prompts then cycle with fresh seeds.
+    prompts, chat = _prompts(cfg, tokenizer, 4 * -(-cfg.tokens // cfg.max_new_tokens))
+    model = models.load_causal_lm(cfg.model)
+    device = dev.resolve_device(cfg.device)
+    dev.move_model_(model, device).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    # The settings first, so a rerun with others is refused, not mixed.
+    atomic_write_json(out / REPORT_FILE, {**owner_stamp("generate-data"), "config": asdict(cfg), "complete": False})
+    # Shards of shard_samples samples until the token budget is met: shard i's prompts (samples i*n ..) and
+    # seeds depend only on i, so a rerun skips the finished shards and continues exactly where it stopped.
+    started, tokens, samples, index = time.perf_counter(), 0, 0, 0
+    while tokens < cfg.tokens:
+        path = out / SHARD.format(index=index)
+        if path.exists():
+            done = _shard_tokens(path)
+            tokens, samples, index = tokens + sum(done), samples + len(done), index + 1
+            continue
+        lines, counts = _sample_shard(cfg, model, tokenizer, prompts, chat, device, index, cfg.tokens - tokens)
+        tokens += sum(counts)
+        if not any(counts):
+            raise ValueError(f"--model {cfg.model}: every sample of {path.name} ended at once (EOS first); use "
+                             "other prompts, --raw-prompts or a higher --temperature")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        samples, index = samples + len(lines), index + 1
+        log(f"{path.name}: {len(lines)} samples, {tokens:,} tokens so far ({time.perf_counter() - started:.0f} s)")
+    report = {**owner_stamp("generate-data"), "config": asdict(cfg), "complete": True, "prompts": len(prompts),
+              "chat": chat, "samples": samples, "shards": index, "generated_tokens": tokens,
+              "seconds": round(time.perf_counter() - started, 1)}
+    atomic_write_json(out / REPORT_FILE, report)
+    log(f"{tokens:,} generated tokens in {samples} samples: {out} (build a cache with --data {out}"
+        + (" --chat)" if chat else ")"))
+    return report

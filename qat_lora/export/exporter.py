@@ -1,0 +1,397 @@
+"""Export the quantised student: the packed low-bit artefact and a dense transformers folder (DESIGN §4, §5).
+
+    qat-lora export --model M --quant w3g64 [--adapter runs/w3g64/adapter] --out exports/w3g64 [--format both]
+    qat-lora export --model M --quant w3g64 --quantizer runs/qat/quantizer.safetensors --out exports/qat
+
+`packed/` holds `model.safetensors` with, per quantised linear, the integer codes packed to their bit width
+(`<name>.qweight`, uint8) and the fp16 `scale` / `zero` (rounded to the integer the forward uses) / `codebook` /
+`scale_a` / `scale_b`; every other tensor as in the model; a JSON header in the safetensors metadata (key
+`qat_lora`); the tokenizer; a `config.json` whose model_type `qat-lora-packed` transformers refuses with an error
+naming it (the model's own config sits inside, under `base_config`).
+`load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
+`dense/` is a plain `save_pretrained` folder of the dequantised weights: transformers loads it without qat_lora.
+`--format gguf` writes `gguf/model.gguf` instead (gguf_export.py): llama.cpp's types, bit-exact for q8_0 / q4_0 / q4_1.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from qat_lora.data import models
+from qat_lora.train.config import StudentSpec, TrainConfig
+from qat_lora.export.config import ExportConfig
+from qat_lora.export.merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
+                           student_and_base_metrics)
+from qat_lora.export.compressed_tensors import CT_DIR, save_compressed_tensors
+from qat_lora.runtime.files import (OWNER_KEY, FolderLock, apply_umask, atomic_write_json, check_out_apart_from_inputs, owned_by,
+                    owner_stamp, require_folder, save_safetensors)
+from qat_lora.export.gguf.writer import GGUF_DIR, save_gguf
+from qat_lora.export.gguf.lora import save_gguf_lora
+from qat_lora.train.student import build_student, load_student, save_adapter, save_quantizer_state
+from qat_lora.train.trainer import train
+from qat_lora.quant.fake_quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict,
+                    quant_config_from_dict)
+
+HEADER_KEY = "qat_lora"
+FORMAT_NAME = "qat-lora-packed"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+REPORT_FILE = "export.json"
+PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR = "packed", "dense", "adapter", "merged-fp", "resnap"
+# The re-snap's weights learn at 4x --resnap-lr: recover's QAT defaults (--weight-lr 2e-3 over --qat-lr 5e-4).
+RESNAP_WEIGHT_LR_RATIO = 4.0
+EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR, GGUF_DIR, CT_DIR, REPORT_FILE,
+                  REPORT_FILE + ".tmp")
+# What each folder holds and how to load it: the export's summary prints this for every folder it wrote.
+FOLDER_HELP = {
+    PACKED_DIR: "the low-bit base, codes at their bit width + fp16 scales; qat-lora only: "
+                "qat_lora.export.exporter.load_packed(dir)",
+    DENSE_DIR: "the low-bit base dequantised to full precision (same size as the original model); plain "
+               "transformers: AutoModelForCausalLM.from_pretrained(dir)",
+    ADAPTER_DIR: "the recovery LoRA, unmerged, in PEFT's format over the base's module names: "
+                 "PeftModel.from_pretrained(<the exported base, loaded>, dir)",
+    MERGED_FP_DIR: "base + adapter merged in full precision: exact, a plain transformers folder, NOT smaller than "
+                   "the original model; AutoModelForCausalLM.from_pretrained(dir)",
+    CT_DIR: "the low-bit base as compressed-tensors pack-quantized ints: vLLM (vllm serve dir) and transformers "
+            "with the compressed-tensors package (AutoModelForCausalLM.from_pretrained(dir))",
+    RESNAP_DIR: "the re-snap training run (--resnap-steps): metrics and the re-snapped quantizer.safetensors",
+    GGUF_DIR: "llama.cpp / Ollama: llama-cli -m gguf/model.gguf [--lora gguf/adapter.gguf: the unmerged adapter]; "
+              "transformers: from_pretrained(dir, gguf_file='model.gguf')",
+}
+# packed/config.json carries a model_type transformers rejects, naming the format (issue 18, item 4): a plain
+# config there made AutoModelForCausalLM.from_pretrained(packed/) build a RANDOM model with only a warning.
+PACKED_MODEL_TYPE = "qat-lora-packed"
+QUANT_TENSORS = QUANT_PARAMETERS
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes into a little-endian bit stream, `bits` bits per code.
+
+    Args:
+        codes: any shape, integers in [0, 2^bits).
+    Returns:
+        [ceil(numel * bits / 8)] uint8.
+    """
+    flat = codes.reshape(-1).to(torch.uint8).numpy()
+    bit_planes = np.unpackbits(flat[:, None], axis=1, bitorder="little")[:, :bits]  # [N, bits]
+    return torch.from_numpy(np.packbits(bit_planes.reshape(-1), bitorder="little"))
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: [numel] uint8 codes."""
+    bit_stream = np.unpackbits(packed.numpy(), bitorder="little")[: numel * bits].reshape(numel, bits)
+    weights = (1 << np.arange(bits, dtype=np.uint16))
+    return torch.from_numpy((bit_stream.astype(np.uint16) * weights).sum(1).astype(np.uint8))
+
+
+def _quantised_layers(model: nn.Module) -> dict[str, FakeQuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+
+
+def layer_bits(layer: FakeQuantLinear) -> int:
+    """Storage bits of one quantised linear: codes at their width plus every fp16 quantiser tensor."""
+    return layer.weight.numel() * layer.cfg.bits + 16 * sum(p.numel() for p in layer.quant_parameters().values())
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    """Mean storage bits per quantised weight, scales, zeros, codebooks and low-rank factors included."""
+    layers = _quantised_layers(model).values()
+    return sum(layer_bits(m) for m in layers) / _quantised_weights(model)
+
+
+def _quantised_weights(model: nn.Module) -> int:
+    return max(1, sum(m.weight.numel() for m in _quantised_layers(model).values()))
+
+
+def adapter_bits_per_weight(model: nn.Module) -> float:
+    """What an unmerged LoRA adapter adds to bits_per_weight when it ships beside the low-bit base: its fp16
+    entries per quantised weight (0 without one). Rank r on an m x n layer costs 16 r (m + n) / (m n) bits."""
+    return 16 * sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / _quantised_weights(model)
+
+
+def _other_tensors(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
+    """State-dict tensors outside the quantised weights, each storage once (tied embeddings share one)."""
+    out, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        if key in skip or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out[key] = tensor.detach().cpu().contiguous()
+    return out
+
+
+@torch.no_grad()
+def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, tokenizer=None) -> dict:
+    """Write the packed artefact of a fake-quant student (no PEFT wrapper) to `out_dir`.
+
+    Returns:
+        the JSON header (layers, bits per weight, file size).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors, layers, skip = {}, {}, set()
+    for name, layer in _quantised_layers(model).items():
+        tensors[f"{name}.qweight"] = pack_codes(layer.codes().cpu(), layer.cfg.bits)
+        for key, value in layer.stored_quant_parameters().items():  # what the forward uses, exact in fp16
+            tensors[f"{name}.{key}"] = value.cpu().to(torch.float16).contiguous()
+            skip.add(f"{name}.{key}")
+        skip.add(f"{name}.weight")
+        layers[name] = {"config": quant_config_dict(layer.cfg), "group_size": layer.group_size,
+                        "out_features": layer.out_features, "in_features": layer.in_features}
+    tensors.update(_other_tensors(model, skip))
+    header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "quant_config": quant_config_dict(quant),
+              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "layers": layers,
+              "bits_per_weight": bits_per_weight(model)}
+    save_safetensors(tensors, out_dir / WEIGHTS_FILE, metadata={HEADER_KEY: json.dumps(header)})
+    atomic_write_json(out_dir / "config.json", {
+        "model_type": PACKED_MODEL_TYPE, "load_with": "qat_lora.export.exporter.load_packed (transformers: the dense/ folder)",
+        "base_config": model.config.to_dict()})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    header["bytes"] = (out_dir / WEIGHTS_FILE).stat().st_size
+    return header
+
+
+def read_packed_header(path: str | Path) -> dict:
+    """The JSON header of a packed artefact folder.
+
+    Raises:
+        ValueError: not a qat-lora packed folder, or a newer format version.
+    """
+    from safetensors import safe_open
+
+    file = Path(path) / WEIGHTS_FILE
+    if not file.exists():
+        raise ValueError(f"{path}: no {WEIGHTS_FILE}; pass the packed/ folder written by `qat-lora export`")
+    with safe_open(str(file), "pt") as f:
+        metadata = f.metadata() or {}
+    if HEADER_KEY not in metadata:
+        raise ValueError(f"{file}: no qat-lora header; it is not a packed export (load it with transformers)")
+    header = json.loads(metadata[HEADER_KEY])
+    if header.get("format") != FORMAT_NAME or header.get("version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{file}: format {header.get('format')} v{header.get('version')}; upgrade qat-lora")
+    return header
+
+
+@torch.no_grad()
+def load_packed(path: str | Path) -> nn.Module:
+    """Rebuild the fake-quant student from a packed artefact: each quantised linear's latent weight is the
+    dequantised Wq, so its forward (and further training or LoRA) starts from exactly the exported weights."""
+    from safetensors.torch import load_file
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+
+    header = read_packed_header(path)
+    tensors = load_file(str(Path(path) / WEIGHTS_FILE))
+    saved = json.loads((Path(path) / "config.json").read_text())
+    if saved.get("model_type") == PACKED_MODEL_TYPE:
+        base = saved["base_config"]
+        config = CONFIG_MAPPING[base["model_type"]].from_dict(base)
+    else:  # packed folders written before the format got its own model_type
+        config = AutoConfig.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, header["dtype"]))
+    for name, info in header["layers"].items():
+        cfg = quant_config_from_dict(info["config"])
+        old = model.get_submodule(name)
+        layer = FakeQuantLinear(info["in_features"], info["out_features"], old.bias is not None, cfg,
+                                info["group_size"], dtype=old.weight.dtype)
+        parts = {k: tensors.pop(f"{name}.{k}") for k in QUANT_TENSORS if f"{name}.{k}" in tensors}
+        codes = unpack_codes(tensors.pop(f"{name}.qweight"), cfg.bits, layer.weight.numel())
+        wq = dequantize(codes.reshape(layer.out_features, layer.in_features), cfg, layer.group_size, **parts)
+        layer.weight = nn.Parameter(wq.to(layer.weight.dtype), requires_grad=False)
+        for key, value in parts.items():
+            setattr(layer, key, nn.Parameter(value.float(), requires_grad=False))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    quantised = {f"{n}.{k}" for n in header["layers"] for k in ("weight", *QUANT_TENSORS)}
+    tied = {k for k in missing if k not in quantised and k.endswith("lm_head.weight")
+            and getattr(config, "tie_word_embeddings", False)}
+    if unexpected or set(missing) - quantised - tied:
+        raise ValueError(f"{path}: tensors do not match the model (missing {sorted(set(missing) - quantised - tied)[:3]}, "
+                         f"unexpected {unexpected[:3]}); re-export with this qat-lora version")
+    model.tie_weights()
+    return model.eval()
+
+
+def dequantize_(model: nn.Module) -> nn.Module:
+    """Replace every FakeQuantLinear by a plain nn.Linear holding its Wq, in place (the dense export)."""
+    for name, layer in _quantised_layers(model).items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer.to_linear())
+    return model
+
+
+def save_dense(model: nn.Module, out_dir: str | Path, tokenizer=None) -> None:
+    """Dequantise `model` in place and `save_pretrained` it: loadable by plain transformers."""
+    out_dir = Path(out_dir)
+    dequantize_(model).save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    apply_umask(out_dir)  # transformers saves weights through safetensors' 0600 temp files
+
+
+EXPORT_KIND, EXPORT_LEGACY_KEYS = "export", ("config", "quant_config")  # export.json, the ownership record
+
+
+def _check_out(cfg: ExportConfig) -> None:
+    """--out must be a folder apart from every input: checked before the export's lock creates it."""
+    require_folder(cfg.out, "the export")
+    check_out_apart_from_inputs(cfg.out, {"--model": cfg.model, "--adapter": cfg.adapter,
+                                          "--quantizer": cfg.quantizer, "--cache": cfg.cache})
+
+
+def _existing_export(cfg: ExportConfig) -> list[str]:
+    """What --out holds, once checked replaceable: an export never mixes with another; an earlier one is replaced
+    only with --overwrite and only when its export.json proves it an export; a folder holding anything else is
+    refused."""
+    out = Path(cfg.out)
+    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    foreign = [name for name in entries if name not in EXPORT_ENTRIES]
+    if foreign:
+        raise ValueError(f"--out {out}: holds files an export did not write ({', '.join(foreign[:3])}); pass an "
+                         "empty or new folder")
+    if entries and not owned_by(out / REPORT_FILE, EXPORT_KIND, EXPORT_LEGACY_KEYS):
+        raise ValueError(f"--out {out}: holds {', '.join(entries[:3])} but no export.json of a qat-lora export; "
+                         "pass an empty or new folder")
+    if entries and not cfg.overwrite:
+        raise ValueError(f"--out {out}: holds an earlier export; pass --overwrite to replace it or choose another "
+                         "folder")
+    return entries
+
+
+def _prepare_out(cfg: ExportConfig, entries: list[str]) -> Path:
+    """Remove the earlier export's entries (its record last) and write the new record first, so that an
+    interrupted export stays provably ours."""
+    out = Path(cfg.out)
+    for name in [e for e in entries if e != REPORT_FILE] + [REPORT_FILE] * (REPORT_FILE in entries):  # record last
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    atomic_write_json(out / REPORT_FILE, {**owner_stamp(EXPORT_KIND), "config": asdict(cfg), "complete": False})
+    return out
+
+
+def byte_breakdown(model: nn.Module) -> dict[str, int]:
+    """Bytes of the low-bit student as the packed format stores them: quantised linears' codes, their fp16
+    quantiser tensors (scales, zeros, codebooks), the input embeddings, the head (0 when tied) and the rest."""
+    layers = _quantised_layers(model)
+    skip = {f"{n}.{k}" for n in layers for k in ("weight", *QUANT_TENSORS)}
+    sizes = {id(t): t.numel() * t.element_size() for t in _other_tensors(model, skip).values()}
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    embeddings = emb.numel() * emb.element_size()
+    head_bytes = 0 if head.data_ptr() == emb.data_ptr() else head.numel() * head.element_size()
+    return {"quantised_linears": sum(math.ceil(m.weight.numel() * m.cfg.bits / 8) for m in layers.values()),
+            "scales": sum(2 * p.numel() for m in layers.values() for p in m.quant_parameters().values()),
+            "embeddings": embeddings, "head": head_bytes, "other": sum(sizes.values()) - embeddings - head_bytes}
+
+
+def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Callable[[str], None]):
+    """The adapter's way into the export (export_merge.py): beside the base (adapter/), merged into the grid,
+    and/or merged in full precision (merged-fp/); held-out metrics and verdicts when --cache is given.
+    Returns (the student without PEFT wrappers, report)."""
+    info: dict = {}
+    measured = student_and_base_metrics(peft_model, cfg.cache, cfg.batch_size) if cfg.cache else None
+    if measured:
+        info["heldout"] = measured
+    if cfg.merge_fp:
+        full = merge_full_(copy.deepcopy(peft_model))
+        full.save_pretrained(out / MERGED_FP_DIR)
+        tokenizer.save_pretrained(out / MERGED_FP_DIR)
+        apply_umask(out / MERGED_FP_DIR)
+        if measured:
+            info["merge_fp"] = recovery_verdict(measured, heldout_metrics(full, cfg.cache, cfg.batch_size),
+                                                "--merge-fp")
+    if not cfg.merge_adapter:
+        # PEFT's own names over the base's module names; recorded as made over --model's weights
+        save_adapter(peft_model, out / ADAPTER_DIR, models.weights_signature(cfg.model))
+        if cfg.format == "gguf":
+            info["gguf"] = save_gguf_lora(peft_model, out / GGUF_DIR)
+        return peft_model.unload(), info
+    student, info["merge"] = merge_lora_(peft_model)
+    if cfg.resnap_steps:
+        student, info["merge"]["resnap"] = _resnap(cfg, student, out, tokenizer, log)
+    if measured:
+        info["merge"].update(recovery_verdict(measured, heldout_metrics(student, cfg.cache, cfg.batch_size),
+                                              "--merge-adapter"))
+    elif info["merge"]["requant_rel_error"] > KEEP_THRESHOLD:
+        info["merge"]["verdict"] = (f"WARNING --merge-adapter: re-quantisation moved the weights by "
+                                    f"{info['merge']['requant_rel_error']:.0%} of the adapter's change, so most of "
+                                    "the recovery may be lost; pass --cache to measure it")
+    for key in ("merge_fp", "merge"):
+        if "verdict" in info.get(key, {}):
+            log(info[key]["verdict"])
+    return student, info
+
+
+def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Callable[[str], None]):
+    """Re-snap the grid-merged student: the trainer's weight-qat / qat preset, started from the merged latent
+    weights Wq + dW (saved as a plain model) with the base's scales, trained against --cache so the weights that
+    land on the grid keep the adapter's recovery. Returns (the re-snapped student on its grid, the run summary)."""
+    work = out / RESNAP_DIR
+    plain = copy.deepcopy(merged)
+    for name, layer in _quantised_layers(plain).items():  # the latent weights, not their grid values
+        linear = layer.to_linear()
+        linear.weight.data = layer.weight.detach().clone()
+        parent, _, child = name.rpartition(".")
+        setattr(plain.get_submodule(parent) if parent else plain, child, linear)
+    plain.save_pretrained(work / "model")
+    tokenizer.save_pretrained(work / "model")
+    save_quantizer_state(merged, work / "start-quantizer.safetensors",  # the base's scales and zeros
+                         model_signature=models.weights_signature(work / "model"))
+    spec = StudentSpec(str(work / "model"), cfg.quant, str(work / "start-quantizer.safetensors"))
+    log(f"re-snap: {cfg.resnap_preset}, {cfg.resnap_steps} steps on {cfg.cache}")
+    summary = train(TrainConfig(**asdict(spec), cache=cfg.cache, out=str(work / "run"), preset=cfg.resnap_preset,
+                                max_steps=cfg.resnap_steps, lr=cfg.resnap_lr, batch_size=cfg.batch_size,
+                                weight_lr_ratio=RESNAP_WEIGHT_LR_RATIO,
+                                warmup_steps=max(1, cfg.resnap_steps // 20), overwrite=True), log)
+    student = build_student(replace(spec, quantizer=summary["quantizer"])).eval()
+    shutil.rmtree(work / "model")  # a full-precision copy: the export's own folders hold the result
+    return student, {"preset": cfg.resnap_preset, "steps": cfg.resnap_steps, "quantizer": summary["quantizer"]}
+
+
+def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
+    """Build the student (with its adapter), carry the adapter (beside or merged), write the artefacts;
+    returns the report (also out/export.json) and logs what each folder holds and how to load it."""
+    _check_out(cfg)
+    with FolderLock(cfg.out):
+        return _export(cfg, log)
+
+
+def _export(cfg: ExportConfig, log: Callable[[str], None]) -> dict:
+    entries = _existing_export(cfg)
+    tokenizer = models.load_tokenizer(cfg.model)  # the inputs load before anything is removed
+    student = load_student(cfg.student_spec(), cfg.adapter)
+    out = _prepare_out(cfg, entries)
+    report: dict = {**owner_stamp(EXPORT_KIND), "config": asdict(cfg), "complete": True,
+                    "quant_config": quant_config_dict(get_preset(cfg.quant))}
+    if cfg.adapter:
+        student, report["adapter"] = _carry_adapter(cfg, student, out, tokenizer, log)
+    report["bits_per_weight"] = bits_per_weight(student)
+    report["bytes"] = byte_breakdown(student)
+    if cfg.format in ("packed", "both"):
+        header = save_packed(student, out / PACKED_DIR, get_preset(cfg.quant), tokenizer)
+        report["packed"] = {"bits_per_weight": header["bits_per_weight"], "bytes": header["bytes"],
+                            "layers": len(header["layers"])}
+    if cfg.format == "gguf":
+        teacher_gguf = cfg.model if Path(cfg.model).suffix == ".gguf" else None  # its metadata carry over
+        report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student", teacher_gguf)
+    if cfg.format == "compressed-tensors":
+        report["compressed_tensors"] = save_compressed_tensors(student, out / CT_DIR, get_preset(cfg.quant), cfg.quant,
+                                                               tokenizer)
+    if cfg.format in ("dense", "both"):
+        save_dense(student, out / DENSE_DIR, tokenizer)
+    report["folders"] = {name: FOLDER_HELP[name] for name in FOLDER_HELP if (out / name).exists()}
+    atomic_write_json(out / REPORT_FILE, report)
+    summary = {k: v for k, v in report.items() if k not in ("config", "folders", OWNER_KEY, "complete")}
+    if "gguf" in summary:  # per-layer errors stay in export.json; the console gets the totals
+        summary["gguf"] = {k: v for k, v in summary["gguf"].items() if k != "layers"}
+    log(json.dumps(summary, indent=2))
+    log("\n".join(f"{name}/: {text}" for name, text in report["folders"].items()))
+    return report

@@ -1,0 +1,111 @@
+"""Carrying the recovery adapter into an export (issue 18, item 3): beside the base, merged into the grid, or
+merged in full precision; and the held-out report that says whether a merge kept the recovery.
+
+    unmerged:  the base as exported (LoRA wrappers removed, nothing merged) + adapter/ in PEFT's own format,
+               so `PeftModel.from_pretrained(base, adapter/)` over the exported base reproduces the student
+    grid:      Wq' = Q(Wq + dW) with the base's scales: small, but re-quantisation can erase dW (the report's
+               `requant_rel_error` = ||Wq' - (Wq + dW)|| / ||dW|| near 1 means the adapter is gone)
+    full:      W = Wq + dW in full precision, a plain transformers folder: exact, and NOT smaller than the model
+
+`recovery_kept` = (KL_base - KL_merged) / (KL_base - KL_student) on the cache's held-out split: 1 keeps all
+the adapter gained over the quantised base, 0 none.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from qat_lora.cache.reader import KDCache
+from qat_lora.train.metrics import kd_metrics
+from qat_lora.quant.fake_quant import FakeQuantLinear
+
+KEEP_THRESHOLD = 0.5  # a merge that keeps less than half of the adapter's gain is not called good
+
+
+def _lora_modules(peft_model):
+    """(module, its FakeQuantLinear base) for every LoRA-wrapped quantised linear."""
+    for module in peft_model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, FakeQuantLinear) and getattr(module, "lora_A", None):
+            yield module, base
+
+
+def _delta(module, base: FakeQuantLinear) -> torch.Tensor:
+    """The adapter's dW (scaling included) of one wrapped layer, summed over its active adapters."""
+    return sum(module.get_delta_weight(a).to(base.weight.dtype) for a in module.active_adapters)
+
+
+@torch.no_grad()
+def merge_lora_(peft_model) -> tuple[nn.Module, dict]:
+    """Merge each LoRA adapter into its quantised base and re-quantise with the base's scales.
+
+    Returns:
+        (the unwrapped student, {"requant_rel_error": ||Wq' - (Wq + dW)||_F / ||dW||_F over all layers,
+         "merged_layers": count}); the error is what re-quantisation adds on top of the adapter.
+    """
+    err2 = delta2 = 0.0
+    merged = 0
+    for module, base in _lora_modules(peft_model):
+        delta = _delta(module, base)
+        target = base.quantized_weight() + delta
+        base.weight.data = target.clone()  # the latent weight: a following re-snap stage starts from Wq + dW
+        base._cached_wq = None
+        err2 += float(((base.quantized_weight() - target) ** 2).sum())
+        delta2 += float((delta**2).sum())
+        merged += 1
+    student = peft_model.unload()
+    return student, {"requant_rel_error": math.sqrt(err2 / max(delta2, 1e-30)), "merged_layers": merged}
+
+
+@torch.no_grad()
+def merge_full_(peft_model) -> nn.Module:
+    """Replace each adapted quantised linear by a plain nn.Linear holding Wq + dW (full precision), in place;
+    any quantised linear without an adapter becomes its Wq. Returns the unwrapped plain transformers model."""
+    for module, base in _lora_modules(peft_model):
+        linear = base.to_linear()
+        linear.weight.data = base.quantized_weight() + _delta(module, base)
+        module.base_layer = linear
+    model = peft_model.unload()
+    for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)]:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer.to_linear())
+    return model
+
+
+def heldout_metrics(model, cache_dir: str, batch_size: int) -> dict:
+    """KL to the teacher, soft CE and perplexity (exp of the hard CE) on the cache's held-out split."""
+    m = kd_metrics(model, KDCache(cache_dir), batch_size, torch.device("cpu"))
+    return {"kd_kl": m["kd_kl"], "kd_soft_ce": m["kd_soft_ce"], "ppl": math.exp(m["kd_ce"])}
+
+
+def student_and_base_metrics(peft_model, cache_dir: str, batch_size: int) -> dict:
+    """Held-out metrics of the trained student (adapter on) and of its quantised base (adapter off)."""
+    student = heldout_metrics(peft_model, cache_dir, batch_size)
+    with peft_model.disable_adapter():
+        base = heldout_metrics(peft_model, cache_dir, batch_size)
+    return {"student": student, "base": base}
+
+
+def recovery_verdict(measured: dict, merged: dict, name: str) -> dict:
+    """How much of the adapter's gain over the quantised base a merged model keeps (KL on held-out data).
+
+    Args:
+        measured: `student_and_base_metrics`; merged: `heldout_metrics` of the merged model; name: the merge.
+    Returns:
+        {"merged": metrics, "recovery_kept": fraction, "good": kept >= KEEP_THRESHOLD, "verdict": one line}.
+    """
+    base, student = measured["base"]["kd_kl"], measured["student"]["kd_kl"]
+    gain = base - student
+    kept = (base - merged["kd_kl"]) / gain if gain > 0 else float("nan")
+    good = gain > 0 and kept >= KEEP_THRESHOLD
+    if gain <= 0:
+        verdict = f"{name}: the adapter does not beat its quantised base on held-out KL; nothing to keep"
+    elif good:
+        verdict = f"{name}: keeps {kept:.0%} of the adapter's recovery (KL {student:.4f} -> {merged['kd_kl']:.4f})"
+    else:
+        verdict = (f"WARNING {name}: keeps only {kept:.0%} of the adapter's recovery (KL base {base:.4f}, student "
+                   f"{student:.4f}, merged {merged['kd_kl']:.4f}); deploy the unmerged adapter, --merge-fp, or "
+                   "add --resnap-steps")
+    return {"merged": merged, "recovery_kept": kept, "good": good, "verdict": verdict}

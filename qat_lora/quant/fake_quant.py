@@ -1,0 +1,457 @@
+"""Fake-quantised linear layers and `quantize_` (DESIGN §4); the config and presets live in quant_config.py.
+
+`quantize_(model, config)` swaps every matching `nn.Linear` for a `FakeQuantLinear` in place. The latent
+full-precision weight is kept (wrap, don't copy). Two schemes, both materialising Wq once per forward and
+then running ONE matmul:
+
+    int:  Wq = s * (clamp(round(W / s) + z, qmin, qmax) - z)       groups of G input columns
+          Wq = s * clamp(round((W - m) / s), qmin, qmax) + m      zero_domain float (m: fp16 offset, llama.cpp Q4_1)
+    lut:  Wq = s * LUT[nearest(W / s)]                             2^b-entry codebook, per tensor or group
+
+`round`/`nearest` use a straight-through estimator, so scales s, zeros z and codebooks receive LSQ-style
+gradients (Esser et al., 2020). Optional low-rank scales multiply the group scales by (1 + A @ B)
+(A: [out, r], B: [r, in]; Apple/Anemll style) without running r matmuls. Scales, codebooks and low-rank
+factors are always used at fp16 precision (snapped with an STE), which is what the export stores: dequantising
+the export therefore reproduces the training-time Wq bit for bit.
+
+A layer whose latent weight was loaded from integer codes (a GPTQ, block-wise or weight-qat start) sits exactly on
+its grid, where LSQ's scale gradient round(W/s) - W/s is identically 0 and, once s moves, takes the sign of
+s - s0: it cannot train. Such a layer has `hold_codes` set: the round's argument sees the quantiser parameters
+detached, so they get the forward's exact derivative with the codes held (d Wq / d s = q - z), and the latent
+weight keeps its straight-through gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from qat_lora.runtime import device as dev
+
+from qat_lora.quant import kquant
+
+from qat_lora.quant import inits as quant_init
+from qat_lora.quant.config import (CODEBOOKS, INITS, PRESETS, SCHEMES, ZERO_DOMAINS, QuantConfig,  # noqa: F401 (re-exported)
+                           get_preset, quant_config_dict, quant_config_from_dict)
+
+
+_round_ste, _fp16_ste = quant_init.round_ste, quant_init.fp16_ste  # shared with kquant.py
+QUANT_PARAMETERS = ("scale", "zero", "codebook", "scale_a", "scale_b", *kquant.PARAMETERS)  # every scheme's names
+
+
+def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+    """Per-group scales, optionally times low-rank factors; the one formula training and export share.
+
+    Args:
+        scale: [out, groups]; scale_a: [out, r] or None; scale_b: [r, in] or None.
+    Returns:
+        [out, groups, 1] (no low-rank factors) or [out, groups, G].
+    """
+    s = _fp16_ste(scale).unsqueeze(-1)
+    if scale_a is None:
+        return s
+    low_rank = _fp16_ste(scale_a) @ _fp16_ste(scale_b)  # [out, in]: one small matmul, not r big ones
+    return s * (1.0 + low_rank.reshape(s.shape[0], s.shape[1], group_size))
+
+
+def _zero_point(zero: torch.Tensor, zero_domain: str) -> torch.Tensor:
+    """The zero the grid uses (QuantConfig.zero_domain): round(z) (int) or fp16(m) (float), both through an STE,
+    or 0 (none): zero * 0 gives the parameter a gradient of exactly 0, so it stays 0 under AdamW too."""
+    if zero_domain == "float":
+        return _fp16_ste(zero)
+    return zero * 0.0 if zero_domain == "none" else _round_ste(zero)
+
+
+def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int,
+                  zero_domain: str = "int", hold_codes: bool = False) -> torch.Tensor:
+    """Wq = s * (clamp(round(W/s) + round(z), qmin, qmax) - round(z)), group-wise, STE on both rounds; with
+    zero_domain float Wq = s * clamp(round((W - m)/s), qmin, qmax) + m, m at fp16 (llama.cpp's Q4_1).
+
+    Args:
+        weight: [out, in]; scale: [out, groups] or [out, groups, G|1]; zero: [out, groups].
+        hold_codes: s (and a float m) enter round's argument detached: d Wq / d s = the code (module docstring).
+    Returns:
+        [out, in] fake-quantised weight in weight's dtype.
+    """
+    out_features, in_features = weight.shape
+    groups = zero.shape[1]
+    w = weight.reshape(out_features, groups, in_features // groups)
+    s = scale.unsqueeze(-1) if scale.dim() == 2 else scale
+    z = _zero_point(zero, zero_domain).unsqueeze(-1)
+    s_in, z_in = (s.detach(), z.detach()) if hold_codes else (s, z)  # round's argument (same values either way)
+    if zero_domain == "float":  # d * q, then + m, in that order: what gguf's dequantiser computes, so bit-exact
+        wq = torch.clamp(_round_ste((w - z_in) / s_in), qmin, qmax) * s + z
+    else:  # an integer zero stays in the argument: shifting it shifts the codes, and Wq does not change
+        wq = (torch.clamp(_round_ste(w / s_in) + z, qmin, qmax) - z) * s
+    return wq.reshape(out_features, in_features).to(weight.dtype)
+
+
+def _lut_lookup(v: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest codebook entry of each value, without data-dependent shapes (sort, then searchsorted's left-side
+    index over the midpoints; on XLA, which has no searchsorted, the same index as a compare-and-sum).
+
+    Args:
+        v: [out, groups, G]; codebook: [1, 1, K] or [out, groups, K].
+    Returns:
+        (values [out, groups, G], differentiable w.r.t. codebook; codes [out, groups, G] int64 into codebook)
+    """
+    ordered, order = codebook.sort(-1)
+    ordered = ordered.expand(v.shape[0], v.shape[1], -1)
+    mids = (ordered[..., 1:] + ordered[..., :-1]) / 2
+    if dev.searchsorted_is_native(v.device):
+        pos = torch.searchsorted(mids.detach().contiguous(), v.detach().contiguous())
+    else:  # how many midpoints are < v: [out, groups, G, K-1] -> [out, groups, G], ties left as searchsorted's
+        pos = (mids.detach().unsqueeze(-2) < v.detach().unsqueeze(-1)).sum(-1)
+    return ordered.gather(-1, pos), order.expand(v.shape[0], v.shape[1], -1).gather(-1, pos)
+
+
+def fake_quantize_lut(weight: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
+                      hold_codes: bool = False) -> torch.Tensor:
+    """Wq = s * LUT[nearest(W / s)]; STE passes W/s through (inside the codebook's range) to W and s.
+
+    Args:
+        weight: [out, in]; scale: [out, groups, G|1]; codebook: [1, 1, K] or [out, groups, K].
+        hold_codes: s enters W / s detached: d Wq / d s = the code's value (module docstring).
+    Returns:
+        [out, in] in weight's dtype.
+    """
+    out_features, in_features = weight.shape
+    v = weight.reshape(out_features, scale.shape[1], -1) / (scale.detach() if hold_codes else scale)
+    values, _ = _lut_lookup(v, codebook)
+    lo = codebook.detach().amin(-1, keepdim=True)
+    hi = codebook.detach().amax(-1, keepdim=True)
+    vc = torch.clamp(v, lo, hi)
+    q = values + (vc - vc.detach())  # forward: exactly values; backward: d/dv = 1 inside the range
+    return (q * scale).reshape(out_features, in_features).to(weight.dtype)
+
+
+class FakeQuantLinear(nn.Linear):
+    """An nn.Linear whose forward uses the fake-quantised weight (int or LUT scheme).
+
+    It stays an nn.Linear subclass so PEFT's LoRA wraps it as it would any Linear. `weight` is the latent
+    full-precision weight; `scale` ([out, groups]) and, per scheme, `zero` ([out, groups]), `codebook`
+    ([1, 1, 2^b] or [out, groups, 2^b]), `scale_a`/`scale_b` ([out, r], [r, in]) are parameters. When none
+    requires grad (the recovery-LoRA preset), Wq is computed once and reused until one of them changes.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: QuantConfig, group_size: int,
+                 device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.cfg = cfg
+        self.group_size = group_size
+        groups = in_features // group_size
+        f32 = dict(device=device, dtype=torch.float32)
+        if cfg.scheme == "kquant":  # llama.cpp's two-level grids: kquant.py
+            for name, shape in kquant.parameter_shapes(cfg, out_features, in_features).items():
+                setattr(self, name, nn.Parameter(torch.zeros(*shape, **f32)))
+        else:
+            self.scale = nn.Parameter(torch.ones(out_features, groups, **f32))
+        if cfg.scheme == "int":
+            self.zero = nn.Parameter(torch.zeros(out_features, groups, **f32))
+        elif cfg.scheme == "lut":
+            shape = (out_features, groups) if cfg.codebook == "group" else (1, 1)
+            self.codebook = nn.Parameter(torch.zeros(*shape, 2**cfg.bits, **f32))
+        if cfg.scale_rank:
+            self.scale_a = nn.Parameter(torch.zeros(out_features, cfg.scale_rank, **f32))
+            self.scale_b = nn.Parameter(torch.zeros(cfg.scale_rank, in_features, **f32))
+        self._cached_wq: torch.Tensor | None = None
+        self._cache_key: tuple | None = None
+        self._step_wq: torch.Tensor | None = None  # set inside quantized_weights_once_per_step
+        self._step_leaf: torch.Tensor | None = None
+        self._stores_wq = False  # `weight` holds Wq itself (store_quantized_weight_), not the latent weight
+        # The latent weight was set from codes (load_quantizer_state_): the quantiser's gradient holds the codes.
+        self.hold_codes = False
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, cfg: QuantConfig, name: str = "",
+                    importance: torch.Tensor | None = None) -> "FakeQuantLinear":
+        """Wrap `linear` (sharing its weight and bias tensors), initialised by `cfg.init`.
+
+        Args:
+            importance: optional [in] per-column weights for the data-aware initialisation.
+        """
+        cfg = cfg.for_width(linear.in_features)  # a K-quant on rows not a multiple of 256: its fallback
+        group_size = linear.in_features if cfg.group_size is None else cfg.group_size
+        if linear.in_features % group_size:
+            raise ValueError(f"group size {group_size} does not divide in_features={linear.in_features} of layer "
+                             f"{name or repr(linear)}; pick a group size that divides it or per-channel (group_size=None)")
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, cfg, group_size,
+                  device="meta")  # no throw-away allocation: every tensor is replaced below
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.init_quantizer_(importance)
+        return new
+
+    def quant_parameters(self) -> dict[str, nn.Parameter]:
+        """The quantiser's own parameters by attribute name (scale, zero | codebook, scale_a, scale_b; kquant:
+        kquant.PARAMETERS)."""
+        return {n: getattr(self, n) for n in QUANT_PARAMETERS if isinstance(getattr(self, n, None), nn.Parameter)}
+
+    @torch.no_grad()
+    def stored_quant_parameters(self) -> dict[str, torch.Tensor]:
+        """The quantiser parameters as the forward uses them, exact in fp16 (what an export stores): an integer
+        zero rounded, a K-quant's sub-block scales and mins rounded and clamped to their ranges. A QAT-trained
+        latent is fractional, and fp16(z) can round the other way than z within fp16 precision of k + 0.5."""
+        out = {k: p.detach() for k, p in self.quant_parameters().items()}
+        if self.cfg.scheme == "kquant":
+            stored = kquant.stored_parameters(self.cfg, **out)
+            out.update({"sub_scale": stored["sc"], **({"sub_min": stored["m"]} if "m" in stored else {})})
+        elif self.cfg.scheme == "int" and self.cfg.zero_domain == "int":
+            out["zero"] = torch.round(out["zero"])
+        return out
+
+    @torch.no_grad()
+    def init_quantizer_(self, importance: torch.Tensor | None = None) -> None:
+        """(Re)initialise the quantiser from the latent weight, frozen; runs on the CPU, once, before training
+        (it replaces the parameter objects: build the optimizer afterwards)."""
+        cfg, w, g = self.cfg, self.weight.detach().cpu().float(), self.group_size
+        imp = None if importance is None else importance.detach().cpu()
+        values: dict[str, torch.Tensor] = {}
+        if cfg.scheme == "kquant":
+            values = kquant.init_parameters(w, cfg, imp)
+        elif cfg.scheme == "int":
+            values["scale"], values["zero"] = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, cfg.init,
+                                                                        cfg.zero_domain, imp)
+        else:
+            values["scale"] = quant_init.lut_scale(w, g)
+            per_group = cfg.codebook == "group"
+            values["codebook"] = (
+                quant_init.kmeans_codebook(w, values["scale"], cfg.bits, g, per_group, imp) if cfg.init != "rtn"
+                else quant_init.uniform_codebook(cfg.bits, tuple(values["scale"].shape) if per_group else None))
+        if cfg.scale_rank:  # A small and random, B zero: starts at s, and B gets a gradient at once (as LoRA)
+            generator = torch.Generator().manual_seed(0)
+            a = torch.randn(self.out_features, cfg.scale_rank, generator=generator) / cfg.scale_rank**0.5
+            values["scale_a"] = quant_init.snap_fp16(a * 0.01)
+            values["scale_b"] = torch.zeros(cfg.scale_rank, self.in_features)
+        for name, value in values.items():
+            setattr(self, name, nn.Parameter(value.to(self.weight.device), requires_grad=False))
+        self._cached_wq = None
+
+    def _scale(self) -> torch.Tensor:
+        return effective_scale(self.scale, getattr(self, "scale_a", None), getattr(self, "scale_b", None),
+                               self.group_size)
+
+    def _fake_quantize(self) -> torch.Tensor:
+        if self.cfg.scheme == "kquant":
+            return kquant.fake_quantize_kquant(self.weight, self.cfg, self.hold_codes, **self.quant_parameters())
+        if self.cfg.scheme == "int":
+            cfg = self.cfg
+            return fake_quantize(self.weight, self._scale(), self.zero, cfg.qmin, cfg.qmax, cfg.zero_domain, self.hold_codes)
+        return fake_quantize_lut(self.weight, self._scale(), _fp16_ste(self.codebook), self.hold_codes)
+
+    def trains(self) -> bool:
+        """Whether Wq depends on a trained tensor (the latent weight or a quantiser parameter)."""
+        return any(p.requires_grad for p in (self.weight, *self.quant_parameters().values()))
+
+    def quantized_weight(self) -> torch.Tensor:
+        """The [out, in] fake-quantised weight used by forward."""
+        if self._stores_wq:
+            return self.weight
+        if self._step_leaf is not None:
+            return self._step_leaf
+        if self.trains():
+            self._cached_wq = None
+            return self._fake_quantize()
+        key = (*(p._version for p in (self.weight, *self.quant_parameters().values())), self.weight.device,
+               self.weight.dtype)
+        if self._cached_wq is None or key != self._cache_key:
+            with torch.no_grad():
+                self._cached_wq = self._fake_quantize()
+            self._cache_key = key
+        return self._cached_wq
+
+    @torch.no_grad()
+    def codes(self) -> torch.Tensor:
+        """Integer codes [out, in] (uint8, in [0, 2^bits)) that `dequantize` maps back to `quantized_weight()`."""
+        if self.cfg.scheme == "kquant":
+            return (kquant.codes(self.weight, self.cfg, **self.quant_parameters()) - self.cfg.qmin).to(torch.uint8)
+        w = self.weight.float().reshape(self.out_features, -1, self.group_size)
+        s = self._scale()
+        if self.cfg.scheme == "int":
+            z = _zero_point(self.zero, self.cfg.zero_domain).unsqueeze(-1)
+            r = torch.round((w - z) / s) if self.cfg.zero_domain == "float" else torch.round(w / s) + z
+            q = torch.clamp(r, self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
+        else:
+            _, q = _lut_lookup(w / s, quant_init.snap_fp16(self.codebook))
+        return q.reshape(self.out_features, self.in_features).to(torch.uint8)
+
+    @torch.no_grad()
+    def dequantize_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """The [out, in] weight that integer `codes` stand for under this layer's quantiser (the inverse of
+        `codes()`): set as the latent weight, it makes `quantized_weight()` equal it exactly."""
+        parts = {k: p.detach() for k, p in self.quant_parameters().items()}
+        return dequantize(codes, self.cfg, self.group_size, **parts).to(self.weight.dtype)
+
+    @torch.no_grad()
+    def store_quantized_weight_(self, dtype: torch.dtype) -> None:
+        """Replace the latent weight by Wq in `dtype` (the compute dtype, e.g. bf16), computed once in fp32:
+        one weight tensor at half the bytes instead of an fp32 latent weight plus a cached Wq. Only for a frozen
+        quantiser (recovery LoRA): nothing reads the latent weight again, and nothing could train it.
+
+        Raises:
+            ValueError: the latent weight or a quantiser parameter trains.
+        """
+        if self.trains():
+            raise ValueError("store_quantized_weight_: this layer's weight or quantiser trains; only a frozen "
+                             "quantiser can drop its latent weight")
+        wq = self._fake_quantize().to(dtype)
+        self.weight = nn.Parameter(wq, requires_grad=False)
+        self._stores_wq, self._cached_wq = True, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.quantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def _apply(self, fn, recurse=True):
+        self._cached_wq = None  # .to()/.cuda() must not keep a stale copy on the old device
+        return super()._apply(fn, recurse)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear holding the dequantised weight (what a dense export writes)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.quantized_weight())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def extra_repr(self) -> str:
+        cfg = self.cfg
+        return (f"{super().extra_repr()}, scheme={cfg.scheme}, bits={cfg.bits}, group_size={self.group_size}, "
+                f"symmetric={cfg.symmetric}, scale_rank={cfg.scale_rank}")
+
+
+def dequantize(codes: torch.Tensor, cfg: QuantConfig, group_size: int, scale: torch.Tensor | None = None,
+               zero: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
+               scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+               **kquant_parameters: torch.Tensor) -> torch.Tensor:
+    """Rebuild Wq from integer codes with the same arithmetic as the training-time forward (bit-exact).
+
+    Args:
+        codes: [out, in] integers in [0, 2^bits); scale: [out, groups]; zero: [out, groups] (int scheme);
+            codebook: [1, 1, K] or [out, groups, K] (lut); scale_a/scale_b: low-rank factors or None;
+            kquant_parameters: kquant.PARAMETERS by name (scheme kquant; scale unused).
+    Returns:
+        [out, in] float32.
+    """
+    if cfg.scheme == "kquant":
+        return kquant.dequantize(codes.float() + cfg.qmin, cfg, **kquant_parameters)
+    f32 = [None if t is None else t.float() for t in (scale, zero, codebook, scale_a, scale_b)]
+    scale, zero, codebook, scale_a, scale_b = f32
+    out_features, in_features = codes.shape
+    s = effective_scale(scale, scale_a, scale_b, group_size)
+    c = codes.long().reshape(out_features, -1, group_size)
+    if cfg.scheme == "int":
+        z = _zero_point(zero, cfg.zero_domain).unsqueeze(-1)
+        wq = (c + cfg.qmin).float() * s + z if cfg.zero_domain == "float" else ((c + cfg.qmin).float() - z) * s
+    else:
+        wq = codebook.expand(out_features, c.shape[1], -1).gather(-1, c) * s
+    return wq.reshape(out_features, in_features)
+
+
+@contextlib.contextmanager
+def quantized_weights_once_per_step(model: nn.Module, enabled: bool = True) -> Iterator[Callable[[], None]]:
+    """Build each trainable quantiser's Wq once for a step of several micro-batches, not once per micro-batch.
+
+    Inside the block every FakeQuantLinear whose quantiser or latent weight trains returns one detached leaf
+    copy of its Wq, in which the micro-batches' backward passes accumulate dL/dWq; the yielded function (call
+    it after the last micro-batch's backward, before gradients are read) then backpropagates that sum once
+    through the quantiser: J^T (sum_i g_i) = sum_i J^T g_i, so the gradients equal the per-micro-batch ones up
+    to float summation order, and the fake-quant forward and backward run once per step. Layers whose
+    quantiser is frozen are skipped (their Wq is already cached across steps).
+    """
+    layers = []
+    if enabled:
+        for module in model.modules():
+            if isinstance(module, FakeQuantLinear) and module.trains():
+                wq = module._fake_quantize()
+                module._step_wq, module._step_leaf = wq, wq.detach().requires_grad_()
+                layers.append(module)
+
+    def backward_quantizers() -> None:
+        pairs = [(m._step_wq, m._step_leaf.grad) for m in layers if m._step_leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([wq for wq, _ in pairs], [g for _, g in pairs])
+        for m in layers:
+            m._step_leaf.grad = None
+
+    try:
+        yield backward_quantizers
+    finally:
+        for m in layers:
+            m._step_wq = m._step_leaf = None
+
+
+def quantize_(model: nn.Module, config: QuantConfig | str,
+              importance: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Replace every nn.Linear of `model` selected by `config` (include/exclude/overrides) by a
+    FakeQuantLinear, in place. Works on any transformers causal LM made of nn.Linear.
+
+    Args:
+        config: a QuantConfig or a preset name.
+        importance: optional {module name: [in] column weights} for data-aware init
+            (`calibration.activation_importance`).
+    Raises:
+        ValueError: unknown preset name, or a group size that does not divide a layer's width (names the layer).
+    """
+    cfg = get_preset(config) if isinstance(config, str) else config
+    targets = [(name, module, cfg.for_module(name)) for name, module in model.named_modules()
+               if type(module) is nn.Linear]
+    targets = [t for t in targets if t[2] is not None]
+    if not targets:
+        raise ValueError("quantize_ found no nn.Linear to quantise (all excluded, or already quantised)")
+    for name, linear, layer_cfg in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        imp = None if importance is None else importance.get(name)
+        setattr(parent, child, FakeQuantLinear.from_linear(linear, layer_cfg, name, imp))
+    return model
+
+
+PARAMETER_GROUPS = ("weights", "scales", "zeros", "codebooks", "lora")
+
+
+def parameter_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Parameters by role, for the trainer to choose what trains (and give each group its own lr).
+
+    Returns:
+        {"weights": latent weights of quantised linears, "scales": scales and low-rank scale factors,
+         "zeros": zero points, "codebooks": LUT values, "lora": PEFT adapter parameters}.
+    """
+    groups: dict[str, list[nn.Parameter]] = {k: [] for k in PARAMETER_GROUPS}
+    role = {"scale": "scales", "scale_a": "scales", "scale_b": "scales", "zero": "zeros", "codebook": "codebooks",
+            "super_scale": "scales", "sub_scale": "scales", "super_min": "zeros", "sub_min": "zeros"}
+    for module in model.modules():
+        if isinstance(module, FakeQuantLinear):
+            groups["weights"].append(module.weight)
+            for name, p in module.quant_parameters().items():
+                groups[role[name]].append(p)
+    groups["lora"] = [p for n, p in model.named_parameters() if "lora_" in n]
+    return groups
+
+
+def set_trainable_(model: nn.Module, groups: Iterable[str]) -> list[nn.Parameter]:
+    """Make exactly the named parameter groups trainable (others in those roles frozen); returns them.
+
+    Raises:
+        ValueError: an unknown group name.
+    """
+    groups = set(groups)
+    unknown = groups - set(PARAMETER_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown parameter group(s) {sorted(unknown)}; choose from {', '.join(PARAMETER_GROUPS)}")
+    trainable = []
+    for name, params in parameter_groups(model).items():
+        for p in params:
+            p.requires_grad_(name in groups)
+        trainable += params if name in groups else []
+    return trainable
+
+
+def quantizer_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every quantiser parameter of every FakeQuantLinear (scales, zeros, codebooks, low-rank factors)."""
+    return [p for m in model.modules() if isinstance(m, FakeQuantLinear) for p in m.quant_parameters().values()]

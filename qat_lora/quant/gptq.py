@@ -1,0 +1,337 @@
+"""GPTQ: data-aware initialisation of FakeQuantLinear weights (Frantar et al., 2022; DESIGN §8).
+
+For each linear, with H = 2 XᵀX / n from the layer's real inputs X [n, in], GPTQ quantises the weight one input
+column at a time and pushes each column's rounding error onto the not-yet-quantised columns, so that the layer
+output X Wᵀ (not the weight) is what is preserved: the optimal-brain-surgeon update
+    W[:, j:] -= (w_j - q_j) / U_jj * U_j,j:        U = upper Cholesky factor of H⁻¹  (paper, Alg. 1)
+applied lazily per block of columns (the paper's "lazy batch" updates). Group scales/zeros are fitted when a
+group starts, on that group's current, error-compensated weights (paper §4, "grouping").
+
+The result is exactly a FakeQuantLinear state: a weight on the grid plus the scale/zero (or scale/codebook)
+that map it to itself, so QAT / recovery training continues from it.
+
+    quantize_(model, get_preset("w3g64"))
+    report = gptq_(model, calibration_batches)     # list of input_ids [B, L]
+
+Everything runs once before training, on the CPU in float32 (the Cholesky in float64), and may branch on values.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from qat_lora.quant import blocks
+
+from qat_lora.quant import kquant
+
+from qat_lora.quant import inits as quant_init
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig
+
+
+class _GroupGrid:
+    """Per-group quantiser state, filled in as GPTQ reaches each group (or all at once: `static`).
+
+    int: scale/zero [out, groups] as quant_init.rtn_scale_zero / mse_scale_zero return them.
+    lut: the FakeQuantLinear's own scale [out, groups] and codebook [1, 1, K] or [out, groups, K], kept fixed.
+    kquant: the layer's sub-block scales d * sc and mins dmin * m ([out, groups] each, kquant.sub_block_grid),
+    kept fixed: GPTQ then only chooses the codes, which the two-level scales need not re-fit.
+    """
+
+    def __init__(self, cfg: QuantConfig, group_size: int, out_features: int, in_features: int,
+                 scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
+                 kquant_grid: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        self.cfg, self.group_size, self.kquant_grid = cfg, group_size, kquant_grid
+        groups = in_features // group_size
+        self.scale = torch.zeros(out_features, groups) if scale is None else scale.detach().float().cpu()
+        self.zero = torch.zeros(out_features, groups)
+        self.codebook = None if codebook is None else codebook.detach().float().cpu().expand(out_features, groups, -1)
+
+    def fit_(self, group: int, w: torch.Tensor, importance: torch.Tensor) -> None:
+        """Fit group `group` on its current weights w [out, G], weighted by importance [G] (diag H) under mse."""
+        if self.cfg.scheme != "int":
+            return  # lut / kquant: the scales (and codebook, mins) are fixed inputs
+        cfg, g = self.cfg, w.shape[1]
+        init = cfg.init if cfg.init in ("mse", "ggml") else "rtn"  # hqq's fit is for whole layers, not GPTQ's groups
+        s, z = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, init, cfg.zero_domain, importance)
+        self.scale[:, group], self.zero[:, group] = s[:, 0], z[:, 0]
+
+    def fit_all_(self, w: torch.Tensor, importance: torch.Tensor) -> None:
+        """"Static groups": every group fitted up front on w [out, in] (the original weights)."""
+        g = self.group_size
+        for group in range(w.shape[1] // g):
+            self.fit_(group, w[:, group * g:(group + 1) * g], importance[group * g:(group + 1) * g])
+
+    def quantize(self, w: torch.Tensor, column: int) -> torch.Tensor:
+        """Grid value [out] of column `column` (original index) holding w [out]; FakeQuantLinear's arithmetic."""
+        group = column // self.group_size
+        if self.kquant_grid is not None:  # kquant.fake_quantize_kquant's arithmetic, one column
+            s, m = (None if t is None else t[:, group] for t in self.kquant_grid)
+            safe = torch.where(s == 0, torch.ones_like(s), s)
+            q = torch.clamp(torch.round(w / safe if m is None else (w + m) / safe), self.cfg.qmin, self.cfg.qmax)
+            return q * s if m is None else q * s - m
+        s = self.scale[:, group]
+        if self.codebook is not None:
+            cb = self.codebook[:, group]  # [out, K]
+            nearest = (w.div(s).unsqueeze(1) - cb).abs().argmin(1, keepdim=True)
+            return cb.gather(1, nearest).squeeze(1) * s
+        z = self.zero[:, group]
+        if self.cfg.zero_domain == "float":  # q * s + m, as FakeQuantLinear (m is fp16 already)
+            return torch.clamp(torch.round((w - z) / s), self.cfg.qmin, self.cfg.qmax) * s + z
+        # (q - z) * s is exact in float32 (small integer times an fp16 value), so round(Wq / s) gives back q.
+        return (torch.clamp(torch.round(w / s) + z, self.cfg.qmin, self.cfg.qmax) - z) * s
+
+
+def _inverse_cholesky_upper(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor U of (H + damp * mean(diag H) * I)⁻¹ (U ᵀU = H⁻¹), float32 [in, in].
+
+    Raises:
+        ValueError: H is not positive definite even after damping.
+    """
+    h = h.double()
+    h = h + torch.eye(h.shape[0], dtype=h.dtype) * (damp * torch.diag(h).mean())
+    chol, info = torch.linalg.cholesky_ex(h)
+    if info.item() == 0:
+        chol, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+    if info.item() != 0:
+        raise ValueError(f"GPTQ: the Hessian is not positive definite with damp={damp}; use a larger damp "
+                         "(e.g. 0.1) or more calibration tokens")
+    return chol.float()
+
+
+def _group_now(w: torch.Tensor, w1: torch.Tensor, err1: torch.Tensor, u: torch.Tensor, i1: int, i: int,
+               end: int) -> torch.Tensor:
+    """Current weights [out, end - (i1 + i)] of columns i1+i .. end-1: those in the block are up to date in w1;
+    later ones still owe the block's lazy update from the i columns already quantised."""
+    i2 = i1 + w1.shape[1]
+    inside = w1[:, i:min(end, i2) - i1]
+    if end <= i2:
+        return inside
+    owed = err1[:, :i] @ u[i1:i1 + i, i2:end]
+    return torch.cat([inside, w[:, i2:end] - owed], 1)
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, group_size: int, *,
+                  damp: float = 0.01, act_order: bool = False, block_size: int = 128,
+                  scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
+                  kquant_grid: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+    """GPTQ-quantise one weight matrix onto a FakeQuantLinear grid.
+
+    Args:
+        weight: [out, in] full-precision weight. hessian: [in, in] H = 2 XᵀX / n of the layer's inputs.
+        cfg: the layer's QuantConfig (int: bits, symmetric, init rtn|mse for the group fit; lut: bits).
+        group_size: input columns per scale (in_features for per-channel).
+        damp: fraction of mean(diag H) added to the diagonal (paper: 1 %).
+        act_order: process columns by decreasing diag(H), with every group fitted up front on the original
+            weights ("static groups"), so groups stay contiguous in the original column order.
+        block_size: columns per lazy-batch update.
+        scale, codebook: lut only: the layer's fixed scale [out, groups] and codebook ([1, 1, K] | [out, groups, K]).
+        kquant_grid: kquant only: the layer's fixed (sub-block scales, mins or None), kquant.sub_block_grid.
+    Returns:
+        int: {"weight": Wq [out, in], "scale": [out, groups] fp16-representable, "zero": [out, groups] integer};
+        lut: {"weight", "scale", "codebook"}; kquant: {"weight"}; float32 CPU. Wq == FakeQuantLinear's fake-quantisation of Wq.
+    Raises:
+        ValueError: shapes that do not match, a lut call without scale/codebook, or an H not positive definite.
+    """
+    _check_args(weight, hessian, cfg, group_size, scale, codebook, damp, block_size)
+    if cfg.scheme == "kquant" and kquant_grid is None:
+        raise ValueError("gptq_quantize: the kquant scheme keeps the layer's two-level scales fixed; pass "
+                         "kquant_grid=kquant.sub_block_grid(cfg, **layer.quant_parameters())")
+    threads = torch.get_num_threads()
+    # The column loop is thousands of tiny ops: with more than one thread each pays OpenMP start-up and, on a
+    # busy host, spin-waits (1536 x 576, w3g64, 2 busy cores: 75 s with 2 threads, 1.4 s with 1).
+    torch.set_num_threads(1)
+    try:
+        return _gptq_quantize(weight, hessian, cfg, group_size, damp, act_order, block_size, scale, codebook,
+                              kquant_grid)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, group_size: int, damp: float,
+                   act_order: bool, block_size: int, scale: torch.Tensor | None,
+                   codebook: torch.Tensor | None, kquant_grid=None) -> dict[str, torch.Tensor]:
+    out_features, in_features = weight.shape
+    w = weight.detach().float().cpu().clone()
+    h = hessian.detach().float().cpu().clone()
+    dead = torch.diag(h) == 0  # inputs never active in calibration: H_ii = 1, W[:, i] = 0 (paper's code)
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    importance = torch.diag(h).clone()
+    if kquant_grid is not None:
+        kquant_grid = tuple(None if t is None else t.detach().float().cpu() for t in kquant_grid)
+    grid = _GroupGrid(cfg, group_size, out_features, in_features, scale, codebook, kquant_grid)
+    static = act_order or cfg.scheme != "int"
+    if static:
+        grid.fit_all_(w, importance)
+    perm = torch.argsort(importance, descending=True) if act_order else torch.arange(in_features)
+    w, h = w[:, perm], h[perm][:, perm]
+    u = _inverse_cholesky_upper(h, damp)
+    q = torch.zeros_like(w)
+    for i1 in range(0, in_features, block_size):
+        i2 = min(i1 + block_size, in_features)
+        w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
+        err1 = torch.zeros_like(w1)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if not static and col % group_size == 0:  # no permutation here: col is the original column
+                group_w = _group_now(w, w1, err1, u, i1, i, col + group_size)
+                grid.fit_(col // group_size, group_w, importance[col:col + group_size])
+            q[:, col] = grid.quantize(w1[:, i], int(perm[col]))
+            err1[:, i] = (w1[:, i] - q[:, col]) / u1[i, i]
+            w1[:, i:] -= err1[:, i:i + 1] * u1[i:i + 1, i:]  # OBS update of the rest of the block
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]  # lazy update of the later blocks
+    wq = torch.empty_like(q)
+    wq[:, perm] = q  # undo the act-order permutation
+    if cfg.scheme == "kquant":
+        return {"weight": wq}
+    if cfg.scheme == "lut":
+        return {"weight": wq, "scale": grid.scale, "codebook": codebook.detach().float().cpu()}
+    return {"weight": wq, "scale": grid.scale, "zero": grid.zero}
+
+
+def _check_args(weight, hessian, cfg, group_size, scale, codebook, damp, block_size) -> None:
+    out_features, in_features = weight.shape
+    if tuple(hessian.shape) != (in_features, in_features):
+        raise ValueError(f"gptq_quantize: hessian {tuple(hessian.shape)} does not match weight "
+                         f"{tuple(weight.shape)}; pass H = 2 XᵀX / n of shape [in, in]")
+    if group_size <= 0 or in_features % group_size:
+        raise ValueError(f"gptq_quantize: group_size={group_size} does not divide in_features={in_features}")
+    if cfg.scheme == "lut" and (scale is None or codebook is None):
+        raise ValueError("gptq_quantize: the lut scheme keeps the layer's scale and codebook fixed; pass "
+                         "scale= and codebook= (e.g. from FakeQuantLinear.scale / .codebook)")
+    if damp < 0 or block_size <= 0:
+        raise ValueError(f"gptq_quantize: damp={damp}, block_size={block_size}: use damp >= 0, block_size > 0")
+    if cfg.scale_rank:
+        raise ValueError("gptq_quantize: low-rank scales (scale_rank > 0) are not supported; GPTQ-initialise "
+                         "with scale_rank=0 and add the low-rank factors afterwards")
+
+
+def relative_error(weight: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> float:
+    """‖(W - Wq) Xᵀ‖ / ‖W Xᵀ‖ computed from H ∝ XᵀX: sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)).
+
+    Args:
+        weight, wq: [out, in]; hessian: [in, in] (undamped).
+    """
+    w, h = weight.detach().double().cpu(), hessian.double().cpu()
+    delta = w - wq.detach().double().cpu()
+    num, den = ((delta @ h) * delta).sum(), ((w @ h) * w).sum()
+    return float((num / den.clamp(min=1e-300)).clamp(min=0).sqrt())
+
+
+@contextlib.contextmanager
+def full_precision(modules: list[FakeQuantLinear]) -> Iterator[None]:
+    """Inside the block these FakeQuantLinears compute x @ Wᵀ with their latent weight, not Wq."""
+    # An instance attribute shadows the class's forward; hooks and PEFT wrappers still go through __call__.
+    # A forward already set on the instance (e.g. by accelerate's device hooks) is put back afterwards.
+    saved = [m.__dict__.get("forward") for m in modules]
+    for m in modules:
+        m.forward = lambda x, m=m: F.linear(x, m.weight.to(x.dtype), None if m.bias is None else m.bias.to(x.dtype))
+    try:
+        yield
+    finally:
+        for m, forward in zip(modules, saved):
+            del m.forward
+            if forward is not None:
+                m.forward = forward
+
+
+@torch.no_grad()
+def collect_hessians(layer: nn.Module, inputs: blocks.BlockInputs, modules: dict[str, FakeQuantLinear]) -> dict:
+    """H = 2 XᵀX / n ([in, in] float32 CPU) of each module's inputs X [n, in] while `layer` runs over `inputs`.
+
+    The caller decides whether the modules run quantised or in full precision (see `full_precision`).
+    """
+    sums: dict[str, torch.Tensor] = {}
+    counts = dict.fromkeys(modules, 0)
+
+    def hook(name):
+        def accumulate(module, args, output):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            sums[name] = sums.get(name, 0) + x.T @ x
+            counts[name] += x.shape[0]
+        return accumulate
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+    try:
+        blocks.run_block(layer, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {n: (2.0 * sums[n] / counts[n]).cpu() for n in sums}
+
+
+@torch.no_grad()
+def _write_(module: FakeQuantLinear, result: dict[str, torch.Tensor]) -> None:
+    """Load a gptq_quantize result into the module: latent weight := Wq, quantiser parameters := the result.
+
+    In-place copies into the same Parameter objects (an optimizer built before stays valid); copy_ on the
+    parameter itself, not on .data, bumps its version, which FakeQuantLinear's Wq cache key watches.
+    """
+    module.weight.copy_(result["weight"])
+    for name in ("scale", "zero", "codebook"):
+        if name in result:
+            getattr(module, name).copy_(result[name])
+    module._cached_wq = None
+
+
+def _fake_quant_modules(layer: nn.Module) -> dict[str, FakeQuantLinear]:
+    return {n: m for n, m in layer.named_modules() if isinstance(m, FakeQuantLinear)}
+
+
+def _quantize_module(module: FakeQuantLinear, h: torch.Tensor, damp: float, act_order: bool) -> dict:
+    """GPTQ one FakeQuantLinear in place; returns its errors before (previous init) and after, and seconds."""
+    start = time.perf_counter()
+    w = module.weight.detach().float().cpu().clone()  # the latent weight is overwritten below
+    before = relative_error(w, module.quantized_weight().detach(), h)
+    lut = module.cfg.scheme == "lut"
+    grid = kquant.sub_block_grid(module.cfg, **module.quant_parameters()) if module.cfg.scheme == "kquant" else None
+    result = gptq_quantize(w, h, module.cfg, module.group_size, damp=damp, act_order=act_order,
+                           scale=module.scale if lut else None, codebook=module.codebook if lut else None,
+                           kquant_grid=grid)
+    _write_(module, result)
+    return {"init_err": before, "gptq_err": relative_error(w, result["weight"], h),
+            "seconds": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: float = 0.01, act_order: bool = False,
+          log: Callable[[str], None] = print) -> dict:
+    """Sequential GPTQ over a model already through `quantize_`, in place, one decoder block at a time.
+
+    Each block gets the hidden states coming out of the previous, already-quantised block (the first: the
+    embeddings). H of every FakeQuantLinear of the block is collected in one forward with the whole block in
+    full precision (latent weights), so q/k/v, o_proj, gate/up and down all see full-precision activations
+    inside the block; then all its linears are quantised and the quantised block produces the next block's
+    inputs. (The paper's code instead re-runs the block after each sub-layer group; this is the simpler
+    variant.) Only FakeQuantLinears inside decoder layers are touched; lm_head / embeddings are not.
+
+    Args:
+        model: a transformers causal LM (possibly PEFT-wrapped) whose linears are FakeQuantLinear.
+        calibration_batches: input_ids [B, L] each (training text, never the evaluation text).
+        damp, act_order: see `gptq_quantize`.
+    Returns:
+        {"layers": {module name: {"init_err", "gptq_err", "seconds"}}, "seconds": total} where the errors are
+        ‖ΔW Xᵀ‖ / ‖W Xᵀ‖ (see `relative_error`) of the previous init and of GPTQ.
+    """
+    start, was_training = time.perf_counter(), model.training
+    model.eval()  # no dropout in the statistics
+    inputs = blocks.capture_block_inputs(model, calibration_batches)
+    report: dict[str, dict] = {}
+    for index, layer in enumerate(blocks.decoder_layers(model)):
+        modules = _fake_quant_modules(layer)
+        if modules:
+            with full_precision(list(modules.values())):
+                hessians = collect_hessians(layer, inputs, modules)
+            for name, module in modules.items():
+                report[f"layers.{index}.{name}"] = _quantize_module(module, hessians[name], damp, act_order)
+            errs = [report[f"layers.{index}.{n}"] for n in modules]
+            log(f"gptq layer {index}: mean rel. output error {sum(e['init_err'] for e in errs) / len(errs):.4f} "
+                f"-> {sum(e['gptq_err'] for e in errs) / len(errs):.4f}")
+        inputs = inputs.with_hidden(blocks.run_block(layer, inputs))
+    model.train(was_training)
+    return {"layers": report, "seconds": time.perf_counter() - start}

@@ -1,0 +1,206 @@
+"""Recovery LoRA over the quantised linears (DESIGN §5), through PEFT.
+
+FakeQuantLinear is an nn.Linear subclass, so PEFT wraps it (as `base_layer`) like any Linear. B starts at
+zero, so the adapted student equals the quantised student at step 0, unless `calibrated_lora_init_` sets each
+pair to the best rank-r correction of its layer's quantisation error. Nothing on the base path is detached:
+gradients flow through the frozen quantised weights to earlier adapters.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from qat_lora.quant import blocks
+
+from qat_lora.data import models
+from qat_lora.quant.calibration import calibration_batches
+from qat_lora.quant.gptq import collect_hessians
+from qat_lora.quant.fake_quant import FakeQuantLinear
+
+
+def quantized_module_names(model: nn.Module) -> list[str]:
+    """Full names of every FakeQuantLinear in `model`."""
+    return [name for name, module in model.named_modules() if isinstance(module, FakeQuantLinear)]
+
+
+def add_recovery_lora_(model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0):
+    """Wrap `model` in a PEFT model with LoRA adapters on every quantised linear; the base is frozen.
+
+    Returns:
+        the PeftModel (PEFT returns a new wrapper; the underlying modules are changed in place).
+    Raises:
+        ValueError: no quantised linear (call quantize_ first) or a non-positive rank.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if r <= 0:
+        raise ValueError(f"--lora-r {r}: must be positive")
+    names = quantized_module_names(model)
+    if not names:
+        raise ValueError("add_recovery_lora_: the model has no quantised linear; call quantize_(model, preset) first")
+    # Short leaf names ("q_proj", ...) keep adapter_config.json portable; fall back to full names when a
+    # leaf name also belongs to a module left in full precision.
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in names})
+    clash = any(name.rsplit(".", 1)[-1] in leaves and not isinstance(module, FakeQuantLinear)
+                for name, module in model.named_modules() if name)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=names if clash else leaves,
+                        bias="none",
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def load_recovery_lora(model: nn.Module, adapter_dir: str | Path):
+    """Attach saved PEFT adapters (a run's `adapter/` folder or a checkpoint's) to a quantised student."""
+    from peft import PeftModel
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").exists():
+        raise ValueError(f"--adapter {adapter_dir}: no adapter_config.json; pass a run's adapter/ folder")
+    from safetensors import SafetensorError
+
+    try:
+        return PeftModel.from_pretrained(model, str(adapter_dir))
+    except SafetensorError as e:
+        raise ValueError(f"--adapter {adapter_dir}: its weights are damaged or truncated ({e}); use the run's intact "
+                         "adapter/ or a checkpoint's") from None
+    except RuntimeError as e:  # load_state_dict's size mismatch: the adapter was trained on another model
+        mismatch = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), None)
+        if mismatch is None:
+            raise
+        detail = mismatch.removeprefix("size mismatch for ").rstrip(".")
+        raise ValueError(f"--adapter {adapter_dir}: made for another model ({detail}); pass the --model its run "
+                         "trained") from None
+
+
+def _lora_layers(layer: nn.Module) -> dict[str, nn.Module]:
+    """PEFT LoRA modules of one decoder layer whose base is a quantised linear, by name within the layer."""
+    return {name: m for name, m in layer.named_modules()
+            if isinstance(getattr(m, "base_layer", None), FakeQuantLinear) and getattr(m, "lora_A", None)}
+
+
+def low_rank_correction(delta: torch.Tensor, hessian: torch.Tensor, r: int, damp: float = 0.01
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rank-r product closest to `delta` in the output norm of inputs with second moment `hessian`.
+
+    min over rank-r C of tr((delta - C) H (delta - C)ᵀ) = ‖(delta - C) Xᵀ‖² / n for H = XᵀX / n: with
+    H = L Lᵀ (Cholesky, damped by damp x mean diag so dead input columns cannot blow it up), the SVD
+    delta L = U S Vᵀ gives C = U_r S_r V_rᵀ L⁻¹ (Eckart-Young in the whitened space).
+
+    Returns:
+        (left [out, r], right [r, in], s² [min(out, in)]) in float64 with C = left @ right, split so both
+        factors carry sqrt(S_r), and the squared singular values (the output energy of each direction).
+    """
+    d, h = delta.double().cpu(), hessian.double().cpu()
+    h = h + damp * h.diagonal().mean().clamp(min=1e-12) * torch.eye(h.shape[0], dtype=h.dtype)
+    chol = torch.linalg.cholesky(h)
+    u, s, vh = torch.linalg.svd(d @ chol, full_matrices=False)
+    r = min(r, s.numel())
+    root = s[:r].sqrt()
+    # V_rᵀ L⁻¹ = (L⁻ᵀ V_r)ᵀ: one triangular solve instead of an inverse.
+    right = torch.linalg.solve_triangular(chol.T, vh[:r].T, upper=True).T
+    return u[:, :r] * root, root[:, None] * right, s * s
+
+
+@torch.no_grad()
+def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[torch.Tensor], damp: float = 0.01,
+                          log: Callable[[str], None] = print) -> dict:
+    """Set every recovery LoRA pair to the best rank-r correction of its layer's quantisation error on
+    calibration inputs, instead of B = 0 (the idea of LoftQ / CLoQ, in GPTQ's output metric).
+
+    For a quantised linear with full-precision weight W (from `reference`), grid weight Wq and inputs X seen in
+    the student, scale·B·A := the rank-r minimiser of ‖(W - Wq - scale·B·A) Xᵀ‖ (`low_rank_correction`). Decoder
+    blocks go in order, each fed the outputs of the already corrected block before it, so later corrections see
+    the inputs they will get. On Gemma 3 270M w3g64 after GPTQ, rank 16 holds about a quarter of that error's
+    energy (docs/RESULTS.md).
+
+    Args:
+        model: the PEFT model from `add_recovery_lora_` (adapters not yet trained).
+        reference: the full-precision model the student was quantised from (same architecture, not quantised).
+        batches: input_ids [B, L] (training text, never the evaluation text).
+    Returns:
+        {"layers": {name: share of the layer's output error removed}, "removed": mean share, "seconds"}.
+    Raises:
+        ValueError: the model has no LoRA over a quantised linear, or `reference` has other layers.
+    """
+    start, was_training = time.perf_counter(), model.training
+    model.eval()
+    layers, ref_layers = blocks.decoder_layers(model), blocks.decoder_layers(reference)
+    if len(layers) != len(ref_layers):
+        raise ValueError(f"calibrated_lora_init_: the reference model has {len(ref_layers)} decoder layers, the "
+                         f"student {len(layers)}; pass the model the student was quantised from")
+    if not any(_lora_layers(layer) for layer in layers):
+        raise ValueError("calibrated_lora_init_: no LoRA adapter over a quantised linear; call add_recovery_lora_ "
+                         "first")
+    inputs = blocks.capture_block_inputs(model, batches)
+    removed: dict[str, float] = {}
+    for index, (layer, ref_layer) in enumerate(zip(layers, ref_layers)):
+        loras = _lora_layers(layer)
+        if loras:
+            hessians = collect_hessians(layer, inputs, {n: m.base_layer for n, m in loras.items()})
+            for name, lora in loras.items():
+                key = lora.active_adapters[0]
+                a, b = lora.lora_A[key].weight, lora.lora_B[key].weight
+                base = lora.base_layer
+                delta = ref_layer.get_submodule(name).weight.detach().double().cpu() - \
+                    base.quantized_weight().detach().double().cpu()
+                left, right, energy = low_rank_correction(delta, hessians[name], a.shape[0], damp)
+                # PEFT adds scaling x B(A(x)): fold 1/scaling into both factors equally.
+                factor = 1.0 / math.sqrt(float(lora.scaling[key]))
+                b.copy_((left * factor).to(b.dtype))
+                a.copy_((right * factor).to(a.dtype))
+                removed[f"layers.{index}.{name}"] = float(energy[:a.shape[0]].sum() / energy.sum().clamp(min=1e-300))
+        inputs = inputs.with_hidden(blocks.run_block(layer, inputs))
+    model.train(was_training)
+    share = sum(removed.values()) / len(removed)
+    log(f"calibrated LoRA init: {share:.1%} of the layers' output error energy removed on average "
+        f"({time.perf_counter() - start:.0f} s)")
+    return {"layers": removed, "removed": share, "seconds": time.perf_counter() - start}
+
+
+def lora_start_(model: nn.Module, lora_init: str, model_path: str, cache_dir: str, sequences: int, batch_size: int,
+                log: Callable[[str], None] = print) -> dict:
+    """Set a fresh PEFT model's adapters as `lora_init` says: "calibrated" (`calibrated_lora_init_` on the first
+    `sequences` training sequences of a KD cache, all if it holds fewer, against `model_path`'s full-precision
+    weights) or a saved adapter folder (its A and B copied in). "zero" leaves them as PEFT made them.
+
+    Raises:
+        ValueError: the folder's adapter covers other modules or shapes (TrainConfig checks rank and alpha).
+    """
+    if lora_init == "zero":
+        return {}
+    if lora_init == "calibrated":
+        from qat_lora.cache.reader import KDCache
+
+        batches = calibration_batches(cache_dir, min(sequences, KDCache(cache_dir).num_sequences("train")),
+                                      batch_size)
+        return calibrated_lora_init_(model, models.load_causal_lm(model_path), batches, log=log)
+    _copy_adapter_(model, Path(lora_init))
+    log(f"LoRA starts from the adapters in {lora_init}")
+    return {"from": lora_init}
+
+
+@torch.no_grad()
+def _copy_adapter_(model: nn.Module, folder: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(folder / "adapter_model.safetensors"))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"--lora-init {folder}: its adapter_model.safetensors cannot be read ({e}); pass an intact "
+                         "adapter folder") from None
+    try:
+        result = set_peft_model_state_dict(model, state)
+    except RuntimeError as e:  # shapes: an adapter made for another model
+        raise ValueError(f"--lora-init {folder}: made for another model ({str(e).splitlines()[-1].strip()})") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"--lora-init {folder}: its adapters cover other modules (missing "
+                         f"{(missing or ['none'])[0]}, unexpected {(result.unexpected_keys or ['none'])[0]}); pass "
+                         "an adapter made for this model and preset")

@@ -1,0 +1,34 @@
+"""The trainer's optimizer and learning-rate schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qat_lora.train.config import TrainConfig
+from qat_lora.quant.fake_quant import quantizer_parameters
+from qat_lora.train.student import latent_weights
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to `min_ratio` at `max_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
+                    ) -> torch.optim.Optimizer:
+    """AdamW in up to three groups: the adapter (--lr), the quantisers' scales and zeros (--lr x
+    --quantizer-lr-ratio: Adam moves each parameter by about its rate per step, and a scale here is ~0.1, so the
+    adapter's rate would move a grid by 1-2 % per step) and trained latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
+    decay would pull them towards zero, off the grid the quantiser was fitted to."""
+    weights = {id(p) for p in latent_weights(model) if p.requires_grad}
+    quantizer = {id(p) for p in quantizer_parameters(model) if p.requires_grad}
+    groups = [{"params": [p for p in params.values() if id(p) not in weights | quantizer]},
+              {"params": [p for p in params.values() if id(p) in quantizer], "lr": cfg.lr * cfg.quantizer_lr_ratio,
+               "weight_decay": 0.0},
+              {"params": [p for p in params.values() if id(p) in weights], "lr": cfg.lr * cfg.weight_lr_ratio,
+               "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -1,0 +1,276 @@
+"""The quantised + LoRA student: build it from a `StudentSpec`, choose what trains, save and load what trained.
+
+    spec = StudentSpec(model="path/to/model", quant="w3g64")
+    student = build_student(spec)                       # fake-quantised, initialised as the preset says
+    model = make_trainable_(student, "recovery-lora")   # PEFT LoRA over the frozen quantised base
+    save_artifacts(model, "recovery-lora", run_dir)     # adapter/ (PEFT files) and/or quantizer.safetensors
+    model = load_student(spec, adapter="run/adapter")   # what eval and export use
+
+Train, eval, export, the demo and the benchmarks all build students here, never through the trainer.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from qat_lora.runtime import device as dev
+
+from qat_lora.data import models
+from qat_lora.train.config import TRAIN_PRESETS, StudentSpec
+from qat_lora.runtime.files import apply_umask, atomic_write_json, first_line, owner_stamp, read_record, save_safetensors
+from qat_lora.train.lora import add_recovery_lora_, load_recovery_lora
+from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset, quantize_, quantizer_parameters
+from qat_lora.runtime.runs import ADAPTER_DIR, QUANTIZER_FILE
+
+CODES_KEY = "codes"  # a quantiser state's integer codes of a layer whose weights moved
+# The base model a quantiser or adapter was made from (models.weights_signature): in the quantiser's safetensors
+# metadata, and in a small JSON beside the adapter's PEFT files (PEFT ignores it). Files without it load unchecked.
+MODEL_SIGNATURE_KEY = "qat_lora.model_signature"
+ADAPTER_RECORD = "qat_lora.json"
+
+
+def _recorded_signature(flag: str, path: str | Path) -> str | None:
+    """The model signature a --quantizer file or an --adapter folder recorded, if any."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        recorded = (read_record(path / ADAPTER_RECORD) or {}).get(MODEL_SIGNATURE_KEY)
+        return recorded if isinstance(recorded, str) else None  # a damaged record checks nothing
+    if not path.is_file():
+        return None  # missing: the loader that reads it names it
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get(MODEL_SIGNATURE_KEY)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{flag} {path}: damaged or truncated ({first_line(e)})") from None
+
+
+def check_made_from(model: str, **artefacts: str) -> None:
+    """Refuse a quantiser or adapter made from other weights than --model's (same shapes, another model, or the
+    same model changed): it would load without an error and give a wrong student.
+
+    Args:
+        artefacts: {"quantizer": path, "adapter": path}; empty paths are skipped.
+    Raises:
+        ValueError: naming the flag, the file and the fix.
+    """
+    current = None
+    for name, path in artefacts.items():
+        recorded = _recorded_signature(f"--{name}", path) if path else None
+        if recorded is None:
+            continue
+        current = current or models.weights_signature(model)
+        if current is not None and current != recorded:
+            raise ValueError(f"--{name} {path}: made from other weights than --model {model} (its model signature "
+                             f"{recorded[:12]} differs from {current[:12]}); pass the --model it was made from")
+
+
+def resolve_attn(attn_implementation: str, device: torch.device) -> str:
+    """The attention kernel for `device`: sdpa calls .item() and recompiles on XLA (DESIGN §6), so auto
+    means eager there and sdpa elsewhere."""
+    if attn_implementation == "auto":
+        return "eager" if dev.is_xla(device) else "sdpa"
+    return attn_implementation
+
+
+def build_student(spec: StudentSpec, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Load the full-precision model and fake-quantise it with the spec's preset (initialised as the preset
+    says), then load the spec's trained quantiser, if any. An empty `spec.quant` gives the model unquantised."""
+    if spec.quant:
+        check_made_from(spec.model, quantizer=spec.quantizer)
+    model = models.load_causal_lm(spec.model, attn_implementation=attn_implementation)
+    if not spec.quant:
+        return model
+    config = get_preset(spec.quant)
+    if spec.quantizer:  # every quantiser tensor is overwritten: skip the preset's (possibly slow) init search
+        config = replace(config, init="rtn")
+    student = quantize_(model, config)
+    if spec.quantizer:
+        load_quantizer_state_(student, spec.quantizer)
+    return student
+
+
+def load_student(spec: StudentSpec, adapter: str = "", attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Teacher (no quant), PTQ student (quant), or trained student (quant + a qat run's quantizer and/or a
+    recovery adapter), in eval mode: what eval, export and the benchmarks evaluate."""
+    if spec.quant:  # an adapter over an export (--model packed/ or dense/, no --quant) is not a student's
+        check_made_from(spec.model, adapter=adapter)
+    student = build_student(spec, attn_implementation)
+    if adapter:
+        student = load_recovery_lora(student, adapter)
+    return student.eval()
+
+
+def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lora_alpha: float = 32.0):
+    """Freeze everything but what `preset` trains; returns the model to train (a PeftModel with LoRA).
+
+    Raises:
+        ValueError: an unknown preset.
+    """
+    if preset not in TRAIN_PRESETS:
+        raise ValueError(f"--preset {preset!r}: choose one of {', '.join(TRAIN_PRESETS)}")
+    parts = TRAIN_PRESETS[preset]
+    if "lora" in parts:
+        model = add_recovery_lora_(student, r=lora_r, alpha=lora_alpha)  # PEFT freezes the base
+    else:
+        model = student.requires_grad_(False)
+    if "quantizer" in parts:
+        for p in quantizer_parameters(model):
+            p.requires_grad_(True)
+    if "weights" in parts:  # the latent weights: the STE lets their codes move (fp32 + grad + 2 Adam states)
+        for p in latent_weights(model):
+            p.requires_grad_(True)
+    return model
+
+
+STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.STORAGE_DTYPES
+
+
+@torch.no_grad()
+def set_storage_dtype_(model: torch.nn.Module, storage: str) -> torch.nn.Module:
+    """--storage-dtype: store the frozen student in `storage` (call after make_trainable_, before placing it).
+
+    With bf16, every frozen fake-quantised linear keeps only its Wq, in bf16 (no fp32 latent weight), and the
+    other frozen floating parameters (embeddings, norms, lm_head) become bf16. Trainable parameters (LoRA, made
+    fp32 by PEFT), the quantisers' own parameters (small; they define the grid) and buffers (rotary frequencies:
+    bf16 would shift every position's angle) stay fp32. fp32 changes nothing.
+    """
+    dtype = STORAGE_DTYPES[storage]
+    if dtype == torch.float32:
+        return model
+    quantizer = {id(p) for p in quantizer_parameters(model)}
+    for module in model.modules():
+        if isinstance(module, FakeQuantLinear):
+            module.store_quantized_weight_(dtype)
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and id(p) not in quantizer:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def latent_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The latent full-precision weight of every fake-quantised linear."""
+    return [m.weight for m in model.modules() if isinstance(m, FakeQuantLinear)]
+
+
+def enable_activation_checkpointing_(model: torch.nn.Module, device: torch.device) -> None:
+    """Recompute each decoder layer in backward with the checkpoint that really recomputes on `device`
+    (XLA would merge a plain recomputation with the forward; DESIGN §6)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=dev.checkpoint_fn(device))
+    base.enable_input_require_grads()  # a reentrant checkpoint passes gradients only to inputs that need them
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Trainable parameters by name, in module order (the optimizer's and the checkpoint's order)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def quantizer_state_dict(model: torch.nn.Module, codes: bool = False) -> dict[str, torch.Tensor]:
+    """Quantiser parameters named as in the plain quantised student (`model.layers.0.mlp.up_proj.scale`),
+    whether or not `model` is wrapped by PEFT; with `codes`, also each layer's integer codes
+    (`....codes`, uint8 [out, in]): the state of a student whose weights moved (GPTQ, weight-qat), on the grid."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FakeQuantLinear):
+            base = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            out.update({f"{base}.{key}": p for key, p in module.quant_parameters().items()})
+            if codes:
+                out[f"{base}.{CODES_KEY}"] = module.codes()
+    return out
+
+
+@torch.no_grad()
+def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy a run's `quantizer.safetensors` into a quantised student built with the same --quant.
+
+    Raises:
+        ValueError: a tensor is missing or has another shape (the file belongs to another model or preset).
+    """
+    try:
+        saved = load_file(str(path))
+    except SafetensorError as e:
+        raise ValueError(f"--quantizer {path}: damaged or truncated ({first_line(e)}); use the run's intact copy or "
+                         "rerun the stage that wrote it") from None
+    params = quantizer_state_dict(model)
+    missing = sorted(set(params) - set(saved))
+    if missing:
+        raise ValueError(f"{path}: no value for {missing[0]} ({len(missing)} missing); build the student with the "
+                         "run's --model and --quant")
+    for name, p in params.items():
+        if saved[name].shape != p.shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(saved[name].shape)}, the student's is "
+                             f"{tuple(p.shape)}; build the student with the run's --model and --quant")
+        p.copy_(saved[name].to(p.device, p.dtype))
+    for name, module in model.named_modules():  # moved weights: the latent weight becomes its on-grid value
+        key = f"{name.removeprefix('base_model.model.').replace('.base_layer', '')}.{CODES_KEY}"
+        if isinstance(module, FakeQuantLinear) and key in saved:
+            codes = saved[key]
+            if codes.shape != module.weight.shape:
+                raise ValueError(f"{path}: {key} has shape {tuple(codes.shape)}, the student's weight is "
+                                 f"{tuple(module.weight.shape)}; build the student with the run's --model")
+            module.weight.copy_(module.dequantize_codes(codes.to(module.weight.device)))
+            module.hold_codes = True  # on the grid, LSQ's scale gradient is 0: hold the codes instead (quant.py)
+
+
+def save_adapter(model, path: Path, model_signature: str | None = None) -> None:
+    """Write the LoRA adapters as standard PEFT files, atomically (temp folder, then rename), with the signature
+    of the base model they were trained over."""
+    from peft import get_peft_model_state_dict
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = dev.state_dict_to_cpu(get_peft_model_state_dict(model))
+    model.save_pretrained(str(tmp), state_dict=state)
+    if model_signature:
+        atomic_write_json(tmp / ADAPTER_RECORD, {**owner_stamp("adapter"), MODEL_SIGNATURE_KEY: model_signature})
+    apply_umask(tmp)  # PEFT saves through safetensors, whose files are 0600 whatever the umask
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def has_codes(path: str | Path) -> bool:
+    """Whether a quantiser state file carries codes (its student's weights moved from the base model's)."""
+    from safetensors import safe_open
+
+    if not path:
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            return any(key.endswith("." + CODES_KEY) for key in f.keys())
+    except SafetensorError as e:
+        raise ValueError(f"--quantizer {path}: damaged or truncated ({first_line(e)})") from None
+
+
+def save_artifacts(model, preset: str, folder: Path, codes: bool = False,
+                   model_signature: str | None = None) -> dict[str, str | None]:
+    """What the preset trained, in standard files: `adapter/` (PEFT) and/or `quantizer.safetensors`, whose codes
+    are written when the weights trained or (`codes`) had moved before training (a GPTQ or weight-qat start);
+    both record `model_signature`, the base model's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, str | None] = {"adapter": None, "quantizer": None}
+    if "lora" in TRAIN_PRESETS[preset]:
+        save_adapter(model, folder / ADAPTER_DIR, model_signature)
+        paths["adapter"] = str(folder / ADAPTER_DIR)
+    if "quantizer" in TRAIN_PRESETS[preset] or "weights" in TRAIN_PRESETS[preset]:
+        save_quantizer_state(model, folder / QUANTIZER_FILE, codes=codes or "weights" in TRAIN_PRESETS[preset],
+                             model_signature=model_signature)
+        paths["quantizer"] = str(folder / QUANTIZER_FILE)
+    return paths
+
+
+def save_quantizer_state(model: torch.nn.Module, path: Path, codes: bool = False,
+                         model_signature: str | None = None) -> None:
+    """Write `quantizer_state_dict(model, codes)` to `path` atomically (temp name, then rename), recording the
+    signature of the base model it belongs to."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = dev.state_dict_to_cpu(quantizer_state_dict(model, codes))  # one transfer from an XLA device
+    save_safetensors({k: v.contiguous() for k, v in state.items()}, path,
+                     {MODEL_SIGNATURE_KEY: model_signature} if model_signature else None)
