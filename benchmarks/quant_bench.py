@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qat_lora.quant import fake_quant as quant
+from qat_lora.quant import grid
 
 from qat_lora.quant import inits as quant_init
 from qat_lora.quant.calibration import activation_importance
@@ -34,10 +34,17 @@ ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override wi
 SHAPES = ((576, 576), (576, 1536), (1536, 576))  # SmolLM2-135M: attention/o_proj, up/gate, down (in, out)
 TIMING_CASES = {
     "int w3g64, frozen quantiser (LoRA preset)": (get_preset("w3g64"), ()),
-    "int w3g64, QAT (weights + scales + zeros)": (get_preset("w3g64"), ("weights", "scales", "zeros")),
-    "lut lut2g32, QAT (weights + scales + codebook)": (get_preset("lut2g32"), ("weights", "scales", "codebooks")),
-    "int w2g32 + rank-4 scales, QAT (scales)": (replace(get_preset("w2g32"), scale_rank=4), ("scales", "zeros")),
+    "int w3g64, QAT (weights + scales + zeros)": (get_preset("w3g64"), ("weight", "scale", "zero")),
+    "lut lut2g32, QAT (weights + scales + codebook)": (get_preset("lut2g32"), ("weight", "scale", "codebook")),
+    "int w2g32 + rank-4 scales, QAT (scales)": (replace(get_preset("w2g32"), scale_rank=4),
+                                                ("scale", "scale_a", "scale_b", "zero")),
 }
+
+
+def _set_trainable_(layer: FakeQuantLinear, names: tuple[str, ...]) -> None:
+    """Train exactly the named tensors of the layer's weight and quantiser (its bias is left as it is)."""
+    for name, p in {"weight": layer.weight, **layer.quant_parameters()}.items():
+        p.requires_grad_(name in names)
 
 
 def _fwd_bwd_seconds(layer: nn.Module, x: torch.Tensor) -> float:
@@ -71,7 +78,7 @@ def run_timing(tokens: int, reps: int) -> list[dict]:
             linear = nn.Linear(in_f, out_f)
             linear.requires_grad_(bool(trainable))  # compare like with like: frozen vs frozen
             layer = FakeQuantLinear.from_linear(nn.Linear(in_f, out_f), cfg)
-            quant.set_trainable_(layer, trainable)
+            _set_trainable_(layer, trainable)
             base, t, ratio = _interleaved(linear, layer, x, reps)
             rows.append({"shape": f"{in_f}x{out_f}", "tokens": tokens, "case": name, "linear_ms": 1e3 * base,
                          "linear_weight_trainable": bool(trainable), "fake_quant_ms": 1e3 * t, "ratio": ratio})
@@ -82,12 +89,12 @@ def run_timing(tokens: int, reps: int) -> list[dict]:
 @contextlib.contextmanager
 def fp32_scales():
     """Disable fp16 snapping of scales/codebooks (init and forward), to measure what fp16 storage costs."""
-    saved = quant._fp16_ste, quant_init.snap_fp16
-    quant._fp16_ste = quant_init.snap_fp16 = lambda x: x
+    saved = grid._fp16_ste, quant_init.snap_fp16
+    grid._fp16_ste = quant_init.snap_fp16 = lambda x: x
     try:
         yield
     finally:
-        quant._fp16_ste, quant_init.snap_fp16 = saved
+        grid._fp16_ste, quant_init.snap_fp16 = saved
 
 
 def _calibration_batches(teacher: str, calib_text: str, seq_len: int, num_batches: int) -> list[torch.Tensor]:
@@ -136,7 +143,7 @@ def run_ppl(presets: list[str], teacher_row: bool, with_fp32: bool, tokens: int,
 
 
 def _bpw(model) -> float:
-    from qat_lora.export.exporter import bits_per_weight
+    from qat_lora.quant.state import bits_per_weight
 
     return round(bits_per_weight(model), 4)
 

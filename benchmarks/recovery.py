@@ -79,22 +79,24 @@ import torch
 from qat_lora.data import text as data
 
 from qat_lora.runtime import device as dev
+from qat_lora.runtime import precision
 
 from qat_lora.data import models
 from qat_lora.data.assets import Assets, default_assets_dir
 from qat_lora.data.teachers import TEACHERS
 from qat_lora.cache.reader import MANIFEST, TOKEN_BYTES, KDCache, inspect_cache
 from qat_lora.cache.builder import build_cache
-from qat_lora.train.config import LORA_INITS, TRAIN_PRESETS, QuantizeConfig, StudentSpec, TrainConfig
+from qat_lora.train.config import LORA_INITS, TRAIN_PRESETS, StudentSpec, TrainConfig
+from qat_lora.commands.config import QuantizeConfig
 from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encode_rows
-from qat_lora.export.exporter import adapter_bits_per_weight, bits_per_weight
 from qat_lora.runtime.files import atomic_write_json
 from qat_lora.train.metrics import kd_metrics, perplexity
 from qat_lora.commands.quantize import quantize
 from qat_lora.quant.fake_quant import PRESETS, get_preset, quant_config_dict, quantize_
 from qat_lora.runtime.runs import read_metrics
-from qat_lora.train.student import build_student, load_student, quantizer_state_dict, resolve_attn
+from qat_lora.quant.state import bits_per_weight, quantizer_state_dict
+from qat_lora.train.student import adapter_bits_per_weight, build_student, load_student, resolve_attn
 from qat_lora.train.trainer import train
 
 ASSETS = Assets.at(default_assets_dir())  # `qat-lora fetch-assets`; override with --teacher/--train-text/--eval-text
@@ -181,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-seq-len", type=int, default=512, help="perplexity context (<= the model's)")
     p.add_argument("--seed", type=int, default=0, help="seed of LoRA init and data order")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, xla or tpu")
-    p.add_argument("--precision", default="auto", choices=dev.PRECISIONS,
+    p.add_argument("--precision", default="auto", choices=precision.PRECISIONS,
                    help="training autocast: auto = bf16 on CUDA and TPU, fp32 on the CPU; bf16 rows get keys of their "
                         "own (fp32 to compare a GPU row with the CPU rows)")
     return p
@@ -861,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         validate(args)
         device = dev.resolve_device(args.device)
         # Resolved once: `auto` means bf16 on CUDA, and a row's key must say so (fp32 rows keep their old keys).
-        args.train_precision = "bf16" if dev.autocast_dtype(device, args.precision) else "fp32"
+        args.train_precision = "bf16" if precision.autocast_dtype(device, args.precision) else "fp32"
     except ValueError as e:
         parser.error(str(e))
     json_path = Path(args.json)

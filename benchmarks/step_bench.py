@@ -34,7 +34,7 @@ cache rows) counts 2 N_all + 4 n_layers n_heads d_head L. Peak: --peak-tflops (a
 
 Peak memory: torch.cuda.max_memory_allocated on CUDA; elsewhere the process's peak resident set (VmHWM, restarted
 through /proc/self/clear_refs once the model is built) minus what was resident then. A CPU step child first calls
-`device.tune_host_allocator()`, as the trainer does, so its figure includes what glibc keeps for reuse (what the
+`host.tune_host_allocator()`, as the trainer does, so its figure includes what glibc keeps for reuse (what the
 trainer's process holds); the loss-memory children instead make resident = live (see run_child). The XLA:CPU
 figure includes the compiler's memory (XLA:CPU has no allocator statistics). A cache row's peak spans the
 alternating rounds, build_cache's own copy of the teacher included.
@@ -147,9 +147,9 @@ def _wait(device: torch.device) -> None:
 
 
 def _graphs_compiled() -> int:
-    from qat_lora.runtime import device as dev
+    from qat_lora.runtime import xla
 
-    return dev.compile_metrics().get("graphs_compiled", 0)
+    return xla.compile_metrics().get("graphs_compiled", 0)
 
 
 def time_steps(model, batch: dict, chunk: int, steps: int, device: torch.device, accumulation: int = 1,
@@ -158,19 +158,20 @@ def time_steps(model, batch: dict, chunk: int, steps: int, device: torch.device,
     with `wq_once`, a trainable quantiser's Wq is built once per step) after the warm-up; returns (times,
     warm-up steps)."""
     from qat_lora.runtime import device as dev
+    from qat_lora.runtime import precision
     from qat_lora.train.loss import KDLossConfig
     from qat_lora.quant.fake_quant import quantized_weights_once_per_step
     from qat_lora.train.loss import forward_loss
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
-    amp_dtype, loss_cfg = dev.autocast_dtype(device, "auto"), KDLossConfig()
+    amp_dtype, loss_cfg = precision.autocast_dtype(device, "auto"), KDLossConfig()
 
     def step() -> float:
         started = time.perf_counter()
         with quantized_weights_once_per_step(model, enabled=wq_once and accumulation > 1) as backward_quantizers:
             for _ in range(accumulation):
-                with dev.autocast(device, amp_dtype):
+                with precision.autocast(device, amp_dtype):
                     loss = forward_loss(model, batch, loss_cfg, chunk)["loss"]
                 (loss / accumulation).backward()
             backward_quantizers()
@@ -234,9 +235,10 @@ def _reset_peak(device: torch.device) -> int:
 def _child_device(name: str) -> tuple[torch.device, bool]:
     """The child's device; on the CPU the trainer's host-allocator tuning is applied first (returns whether)."""
     from qat_lora.runtime import device as dev
+    from qat_lora.runtime import host
 
     device = dev.resolve_device(name)
-    return device, dev.tune_host_allocator() if device.type == "cpu" else False
+    return device, host.tune_host_allocator() if device.type == "cpu" else False
 
 
 def loss_child(spec: dict) -> dict:
@@ -263,6 +265,7 @@ def loss_child(spec: dict) -> dict:
 def step_child(spec: dict) -> dict:
     """One training-step configuration: median step time, FLOPs, peak memory (and XLA compile counts)."""
     from qat_lora.runtime import device as dev
+    from qat_lora.runtime import precision, xla
 
     device, tuned = _child_device(spec["device"])
     model = build_model(spec["shape"], spec["seq_len"], spec["linear"], spec["preset"], device)
@@ -274,12 +277,12 @@ def step_child(spec: dict) -> dict:
     result = {"step_s": statistics.median(times), "warmup_steps": warmup, "host_allocator_tuned": tuned,
               "flops_per_token": step_flops_per_token(model, spec["seq_len"]),
               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-              "precision": str(dev.autocast_dtype(device, "auto") or torch.float32).removeprefix("torch."),
+              "precision": str(precision.autocast_dtype(device, "auto") or torch.float32).removeprefix("torch."),
               "peak_mem_bytes": int(_peak_bytes(device) - base)}
     if dev.is_xla(device):
         import torch_xla.runtime as xr
 
-        result["compile"] = {**dev.compile_metrics(), "graphs_compiled_timed": _graphs_compiled() -
+        result["compile"] = {**xla.compile_metrics(), "graphs_compiled_timed": _graphs_compiled() -
                              compiled_after_warmup, "pjrt_device": xr.device_type()}
     return result
 

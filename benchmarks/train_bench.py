@@ -47,7 +47,7 @@ def _plain_peft_step(args) -> float:
     from peft import LoraConfig, get_peft_model
 
     from qat_lora.cache.reader import KDCache
-    from qat_lora.runtime.device import tune_host_allocator
+    from qat_lora.runtime.host import tune_host_allocator
     from qat_lora.data.models import load_causal_lm
 
     tune_host_allocator()  # as `qat-lora train` does on the CPU: both sides run with the same allocator settings

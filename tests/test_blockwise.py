@@ -19,7 +19,8 @@ from qat_lora.train.config import StudentSpec
 from qat_lora.train.metrics import kd_metrics
 from qat_lora.quant.calibration import calibration_batches
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, get_preset, quantize_
-from qat_lora.train.student import build_student, quantizer_state_dict, save_quantizer_state
+from qat_lora.quant.state import quantizer_state_dict, save_quantizer_state
+from qat_lora.train.student import build_student
 
 SETTINGS = dict(steps=40, lr_weights=1e-3, lr_quant=1e-3, batch_size=4)
 QUIET = dict(log=lambda _: None)

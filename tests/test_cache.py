@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from qat_lora.cache.reader import KDCache, inspect_cache, verify_cache
-from qat_lora.cache.builder import build_cache, merge_manifests
+from qat_lora.cache.builder import build_cache
+from qat_lora.cache.merge import merge_manifests
 from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.commands.cli import main
 from qat_lora.cache.encodings import (DELTA_STEP, SampledEncoding, TopKEncoding, blocked_count_at_most, encode_rows,
@@ -292,7 +293,8 @@ def test_preloaded_and_memory_mapped_reads_agree(reference):
 
 
 def test_trainer_and_eval_read_a_sampled_cache(teacher_dir, corpus_dir, tmp_path):
-    from qat_lora.train.config import EvalConfig, TrainConfig
+    from qat_lora.commands.config import EvalConfig
+    from qat_lora.train.config import TrainConfig
     from qat_lora.commands.evaluate import evaluate
     from qat_lora.train.trainer import train
 

@@ -10,7 +10,8 @@ from safetensors.numpy import load_file
 
 from qat_lora.cache.reader import KDCache, batch_order
 from qat_lora.cache.builder import build_cache
-from qat_lora.train.config import EvalConfig, TrainConfig
+from qat_lora.commands.config import EvalConfig
+from qat_lora.train.config import TrainConfig
 from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.commands.cli import main
 from qat_lora.data.text import pack

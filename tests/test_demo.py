@@ -5,7 +5,7 @@ import json
 
 import qat_lora.data.assets
 from qat_lora.data.assets import Assets
-from qat_lora.export.config import DemoConfig
+from qat_lora.commands.config import DemoConfig
 from qat_lora.commands.demo import run_demo
 
 

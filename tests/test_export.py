@@ -15,12 +15,12 @@ from qat_lora.commands.cli import main
 from qat_lora.train.config import StudentSpec
 from qat_lora.export.config import ExportConfig
 from qat_lora.train.metrics import kd_metrics
-from qat_lora.export.exporter import (adapter_bits_per_weight, bits_per_weight, load_packed, pack_codes, read_packed_header,
-                             save_packed, unpack_codes)
+from qat_lora.export.exporter import load_packed, pack_codes, read_packed_header, save_packed, unpack_codes
 from qat_lora.train.lora import add_recovery_lora_, load_recovery_lora
 from qat_lora.data.models import load_causal_lm
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, get_preset, quantize_, quantizer_parameters
-from qat_lora.train.student import build_student, make_trainable_, save_artifacts
+from qat_lora.quant.state import bits_per_weight
+from qat_lora.train.student import adapter_bits_per_weight, build_student, make_trainable_, save_artifacts
 
 PACKED_CASES = {
     "w3g32": get_preset("w3g32"),

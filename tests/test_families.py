@@ -148,7 +148,7 @@ def test_family_end_to_end(family, corpus, family_tokenizer, tmp_path, capsys):
 
     # Generation through the family's KV cache (hybrid sliding/global for Gemma 3; prompt + reply longer than the
     # window), greedy: the same tokens as greedy decoding by full forwards without a cache.
-    from qat_lora.export.config import GenerateConfig
+    from qat_lora.commands.config import GenerateConfig
     from qat_lora.commands.generate import generate, load_generator
 
     cfg = GenerateConfig(model=str(model_dir), quant=QUANT, quantizer=quantizer, adapter=adapter,

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from conftest import save_random_adapter
 from qat_lora.commands.cli import main
 from qat_lora.train.config import StudentSpec
-from qat_lora.export.config import GenerateConfig
+from qat_lora.commands.config import GenerateConfig
 from qat_lora.commands.generate import chat, generate
 from qat_lora.train.student import load_student
 
@@ -101,8 +101,8 @@ GENERATE_ON_XLA = """
 import json, sys
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from qat_lora.runtime import device as dev
-from qat_lora.export.config import GenerateConfig
+from qat_lora.runtime import xla
+from qat_lora.commands.config import GenerateConfig
 from qat_lora.commands.generate import generate
 
 model, adapter = sys.argv[1:3]
@@ -113,7 +113,7 @@ for tokens in (2, 4):
                          device="xla")
     ids = generate(cfg, on_text=lambda _: None)
     xm.wait_device_ops()
-    report[tokens] = {"ids": ids, **dev.compile_metrics()}
+    report[tokens] = {"ids": ids, **xla.compile_metrics()}
 print(json.dumps(report))
 """
 

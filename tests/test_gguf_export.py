@@ -15,7 +15,8 @@ from qat_lora.commands.cli import main  # noqa: E402
 from qat_lora.export.exporter import load_packed, save_packed  # noqa: E402
 from qat_lora.export.gguf.writer import GGUF_FILE, pack_blocks, save_gguf  # noqa: E402
 from qat_lora.data.models import load_causal_lm  # noqa: E402
-from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, fake_quantize, get_preset, quantize_  # noqa: E402
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, get_preset, quantize_  # noqa: E402
+from qat_lora.quant.grid import fake_quantize  # noqa: E402
 from qat_lora.quant.inits import snap_fp16  # noqa: E402
 
 GGML_PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}

@@ -16,7 +16,8 @@ from qat_lora.quant import blocks
 
 from qat_lora.quant import inits as quant_init
 from qat_lora.quant.gptq import _group_now, gptq_, gptq_quantize
-from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, dequantize, quantize_
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, quantize_
+from qat_lora.quant.grid import dequantize
 
 OUT, IN, N = 32, 128, 512
 INIT_STD = 0.08

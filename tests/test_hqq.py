@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from qat_lora.quant import inits as quant_init
-from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, dequantize
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig
+from qat_lora.quant.grid import dequantize
 
 
 def _heavy_tailed(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:

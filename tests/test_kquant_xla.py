@@ -22,7 +22,7 @@ import torch, torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from torch import nn
-from qat_lora.runtime import device as dev
+from qat_lora.runtime import xla
 from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset
 
 report = {}
@@ -48,7 +48,7 @@ for preset in ("q2_k", "q3_k", "q4_k", "q6_k"):
         optimizer.zero_grad()
         torch_xla.sync()
     xm.wait_device_ops()
-    counters = dev.compile_metrics()
+    counters = xla.compile_metrics()
     layer_cpu = layer.to("cpu")
     report[preset] = {**counters, "moved": not torch.equal(layer_cpu.quantized_weight(), cpu_wq)}
     with torch.no_grad():  # the trained state, Wq on the CPU (what the export writes) and on XLA

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from qat_lora.cache.reader import KDCache
 from qat_lora.commands.cli import main
-from qat_lora.train.config import QuantizeConfig, StudentSpec, TrainConfig
+from qat_lora.commands.config import QuantizeConfig
+from qat_lora.train.config import StudentSpec, TrainConfig
 from qat_lora.train.metrics import kd_metrics
 from qat_lora.commands.quantize import quantize
 from qat_lora.quant.fake_quant import FakeQuantLinear

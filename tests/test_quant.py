@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from qat_lora.data.models import load_causal_lm
-from qat_lora.quant.fake_quant import (PRESETS, FakeQuantLinear, QuantConfig, fake_quantize, get_preset, quantize_,
+from qat_lora.quant.fake_quant import (PRESETS, FakeQuantLinear, QuantConfig, get_preset, latent_weights, quantize_,
                             quantized_weights_once_per_step, quantizer_parameters)
+from qat_lora.quant.grid import dequantize, effective_scale, fake_quantize
 
 
 def _reference_fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch.Tensor:
@@ -109,12 +110,11 @@ def test_cached_weight_follows_parameter_updates():
     assert not torch.equal(before, layer.quantized_weight())
 
 
-# --- issue 4: schemes, initialisation, gradients, parameter groups -------------------------------------------
+# --- issue 4: schemes, initialisation, gradients, what trains ------------------------------------------------
 
 from qat_lora.quant import inits as quant_init  # noqa: E402
 from qat_lora.quant.calibration import activation_importance  # noqa: E402
-from qat_lora.quant.fake_quant import (dequantize, parameter_groups, quant_config_dict,  # noqa: E402
-                            quant_config_from_dict, set_trainable_)
+from qat_lora.quant.fake_quant import quant_config_dict, quant_config_from_dict  # noqa: E402
 
 SCHEME_CASES = {
     "int-asym": QuantConfig(bits=3, group_size=8, init="mse"),
@@ -257,7 +257,8 @@ def _ste_surrogate(layer: FakeQuantLinear, params: dict[str, torch.Tensor], froz
 def _frozen_state(layer: FakeQuantLinear) -> dict:
     with torch.no_grad():
         w = layer.weight.double().reshape(layer.out_features, -1, layer.group_size)
-        s0 = layer._scale().double().expand_as(w)
+        s0 = effective_scale(layer.scale, getattr(layer, "scale_a", None), getattr(layer, "scale_b", None),
+                             layer.group_size).double().expand_as(w)
         if layer.cfg.scheme == "int":
             z = torch.round(layer.zero.double()).unsqueeze(-1)
             r = torch.round(w / s0)
@@ -349,18 +350,24 @@ def test_fp16_snapping_is_exact_and_passes_gradients():
     assert torch.equal(layer.quantized_weight(), expected)  # ...but the forward uses the fp16 value
 
 
-def test_parameter_groups_and_set_trainable():
+def test_qat_trains_every_quantiser_parameter_and_no_weight():
+    # The qat preset (make_trainable_) trains exactly quantizer_parameters: an int layer's scale and zero, a LUT
+    # layer's scale, codebook and low-rank scale factors; the latent weights and biases stay frozen.
+    from qat_lora.train.student import make_trainable_
+
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
     quantize_(model, QuantConfig(bits=2, group_size=8, exclude=(), overrides=(
         ("1", QuantConfig(bits=2, group_size=8, scheme="lut", scale_rank=2)),)))
-    groups = parameter_groups(model)
-    assert [len(groups[k]) for k in ("weights", "scales", "zeros", "codebooks", "lora")] == [2, 4, 1, 1, 0]
-    trainable = set_trainable_(model, ["scales", "codebooks"])
-    assert len(trainable) == 5 and not model[0].weight.requires_grad and model[1].codebook.requires_grad
+    assert latent_weights(model) == [model[0].weight, model[1].weight]
+    assert [id(p) for p in quantizer_parameters(model)] == [id(p) for p in (
+        model[0].scale, model[0].zero, model[1].scale, model[1].codebook, model[1].scale_a, model[1].scale_b)]
+    model = make_trainable_(model, "qat")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert [id(p) for p in trainable] == [id(p) for p in quantizer_parameters(model)]
     model(torch.randn(3, 16)).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in [model[0].scale, model[1].codebook])
-    with pytest.raises(ValueError, match="unknown parameter group"):
-        set_trainable_(model, ["biases"])
+    with pytest.raises(ValueError, match="--preset"):
+        make_trainable_(model, "biases")
 
 
 @pytest.mark.parametrize("preset", ["lut2g32", "w2g32"])
@@ -372,7 +379,7 @@ def test_peft_lora_wraps_every_quantised_linear(teacher_dir, preset):
     model = add_recovery_lora_(student, r=2)
     wrapped = [n for n, m in model.named_modules() if isinstance(getattr(m, "base_layer", None), FakeQuantLinear)]
     assert len(wrapped) == len(names) == 14
-    assert len(parameter_groups(model)["lora"]) == 2 * len(names)
+    assert len([p for n, p in model.named_parameters() if "lora_" in n]) == 2 * len(names)
 
 
 @pytest.mark.parametrize("train", ["quantizer", "weight"])
@@ -413,7 +420,7 @@ def test_wq_once_per_step_skips_frozen_quantizers():
 def test_lut_lookup_as_compare_and_sum_equals_searchsorted_including_ties(monkeypatch, per_group):
     # XLA has no searchsorted: the lookup counts the midpoints below each value instead (device.py picks which).
     import qat_lora.runtime.device as dev
-    from qat_lora.quant.fake_quant import _lut_lookup
+    from qat_lora.quant.grid import _lut_lookup
 
     g = torch.Generator().manual_seed(0)
     shape = (6, 4, 16) if per_group else (1, 1, 16)

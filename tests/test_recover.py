@@ -8,7 +8,8 @@ import torch
 
 from qat_lora.cache.reader import KDCache
 from qat_lora.commands.cli import build_parser, config_from_args, main
-from qat_lora.train.config import RecoverConfig, StudentSpec
+from qat_lora.commands.config import RecoverConfig
+from qat_lora.train.config import StudentSpec
 from qat_lora.train.metrics import kd_metrics
 from qat_lora.commands.recover import recover
 from qat_lora.train.student import load_student

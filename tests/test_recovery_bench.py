@@ -306,21 +306,21 @@ def test_eval_text_inside_the_training_text_is_refused(recovery, tiny_args, corp
 def test_searched_init_is_computed_once_by_the_start_row(recovery, first_run, tiny_args, teacher_dir, monkeypatch):
     # w2g32 starts from the MSE search: its PTQ row saves the quantiser, and the training run loads that file
     # instead of searching again (build_student is never asked for a fresh w2g32 init).
-    import qat_lora.train.trainer as train_module
+    import qat_lora.train.run as run_module  # where the trainer's set-up looks build_student up
     from safetensors.torch import load_file
 
     from qat_lora.train.config import StudentSpec
-    from qat_lora.train.student import quantizer_state_dict
+    from qat_lora.quant.state import quantizer_state_dict
 
     searched = []
-    real_build = train_module.build_student
+    real_build = run_module.build_student
 
     def counting_build(spec, *rest, **kw):
         if not spec.quantizer:
             searched.append(spec.quant)
         return real_build(spec, *rest, **kw)
 
-    monkeypatch.setattr(train_module, "build_student", counting_build)
+    monkeypatch.setattr(run_module, "build_student", counting_build)
     args = list(tiny_args)
     args[args.index("--presets") + 1] = "w2g32"
     methods = args.index("--methods")

@@ -9,7 +9,7 @@ import torch
 
 from qat_lora.cache.reader import KDCache
 from qat_lora.commands.cli import main
-from qat_lora.cache.config import GenerateDataConfig
+from qat_lora.data.config import GenerateDataConfig
 from qat_lora.data.text import list_text_files
 from qat_lora.data.teacher_text import corpus_prompts, generate_data
 

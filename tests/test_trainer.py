@@ -19,9 +19,9 @@ from qat_lora.commands.cli import main
 from qat_lora.train.config import TRAIN_PRESETS, StudentSpec, TrainConfig
 from qat_lora.runtime.launch import launch_local
 from qat_lora.train.metrics import kd_metrics
-from qat_lora.quant.fake_quant import quantizer_parameters
-from qat_lora.train.student import (build_student, enable_activation_checkpointing_, latent_weights, load_student,
-                              make_trainable_, quantizer_state_dict, save_quantizer_state)
+from qat_lora.quant.fake_quant import latent_weights, quantizer_parameters
+from qat_lora.quant.state import quantizer_state_dict, save_quantizer_state
+from qat_lora.train.student import build_student, enable_activation_checkpointing_, load_student, make_trainable_
 from qat_lora.train.optim import build_optimizer
 from qat_lora.train.trainer import train
 

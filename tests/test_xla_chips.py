@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from qat_lora.train.config import StudentSpec, TrainConfig
-from qat_lora.runtime.launch import chip_rank, tpu_visibility_env
+from qat_lora.cache.launch import chip_rank
+from qat_lora.runtime.launch import tpu_visibility_env
 from qat_lora.runtime.sharding import shard_dim
 from qat_lora.train.student import build_student, make_trainable_, set_storage_dtype_
 
@@ -161,7 +162,7 @@ def test_all_chips_means_one_device_off_a_tpu_host(monkeypatch):
 
 
 def test_fsdp_without_xla_is_a_one_line_error():
-    from qat_lora.runtime.launch import run
+    from qat_lora.train.launch import run
 
     with pytest.raises(ValueError, match=r"^--parallel fsdp with --device cpu: SPMD needs --device xla or tpu"):
         run(TrainConfig(model="m", device="cpu", num_chips=2, parallel="fsdp"), log=lambda _: None)

@@ -39,7 +39,7 @@ BUILD = """
 import json, sys
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from qat_lora.runtime import device as dev
+from qat_lora.runtime import xla
 from qat_lora.cache.builder import build_cache
 from qat_lora.cache.config import CacheBuildConfig
 
@@ -53,7 +53,7 @@ for name, kwargs in cases.items():
     build_cache(CacheBuildConfig(teacher=teacher, data=[corpus], out=f"{out}/{name}", seq_len=32, top_k=8,
                                  value_bits=32, batch_size=8, device="xla", **kwargs), log=lambda _: None)
     xm.wait_device_ops()  # every execution counted
-    report[name] = dev.compile_metrics()
+    report[name] = xla.compile_metrics()
 print(json.dumps(report))
 """
 
@@ -164,6 +164,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 from qat_lora.train import checkpoint as ckpt
 from qat_lora.runtime import device as dev
+from qat_lora.runtime import xla
 
 out, device, report = Path(sys.argv[1]), torch_xla.device(), {}
 for layers in (2, 20):
@@ -178,13 +179,13 @@ for layers in (2, 20):
     groups = {ckpt.TRAINABLE_FILE: dict(model.named_parameters()), ckpt.OPTIMIZER_FILE: opt_tensors,
               ckpt.RNG_FILE: ckpt.rng_state(device)}
     path = ckpt.save_checkpoint(out, layers, groups, {"optimizer": meta})
-    report[layers] = {**dev.compile_metrics(), "tensors": sum(len(g) for g in groups.values())}
+    report[layers] = {**xla.compile_metrics(), "tensors": sum(len(g) for g in groups.values())}
     saved, _ = ckpt.load_checkpoint(path)
     report[layers]["equal"] = all(torch.equal(saved[ckpt.TRAINABLE_FILE][k], v.cpu())
                                   for k, v in model.named_parameters())
     met.clear_all()
     host = dev.state_dict_to_cpu(model.state_dict())  # the adapter and quantiser files' path to the host
-    report[layers]["state_dict_transfers"] = dev.compile_metrics()["transfers_from_device"]
+    report[layers]["state_dict_transfers"] = xla.compile_metrics()["transfers_from_device"]
 print(json.dumps(report))
 """
 

@@ -41,8 +41,9 @@ import json, sys
 import torch_xla.backends as xb
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
-from qat_lora.runtime import device as dev
-from qat_lora.train.config import EvalConfig, TrainConfig
+from qat_lora.runtime import xla
+from qat_lora.commands.config import EvalConfig
+from qat_lora.train.config import TrainConfig
 from qat_lora.commands.evaluate import evaluate
 from qat_lora.train.trainer import train
 
@@ -53,7 +54,7 @@ def measured(name, fn):
     met.clear_all()
     result = fn()
     xm.wait_device_ops()
-    report[name] = {**dev.compile_metrics(), "result": result}
+    report[name] = {**xla.compile_metrics(), "result": result}
 
 eval_cfg = EvalConfig(model=teacher, quant="lut2g32", cache=cache, device="xla", batch_size=2)
 # A notebook: evaluate, train, train again, evaluate again, all in one kernel (one XLA runtime).

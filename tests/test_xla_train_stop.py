@@ -18,7 +18,8 @@ import torch
 
 from qat_lora.train import checkpoint as ckpt
 from qat_lora.cache.reader import KDCache
-from qat_lora.train.config import EvalConfig, StudentSpec, TrainConfig
+from qat_lora.commands.config import EvalConfig
+from qat_lora.train.config import StudentSpec, TrainConfig
 from qat_lora.commands.evaluate import evaluate
 from qat_lora.runtime.launch import free_port
 from qat_lora.train.metrics import kd_metrics
@@ -136,7 +137,7 @@ def test_evaluation_sums_stay_exact_past_the_float32_integer_range(teacher_dir, 
 
 
 def test_the_new_flags_refuse_bad_values_in_one_line(teacher_dir, cache_dir, tmp_path):
-    from qat_lora.runtime.device import default_loss_chunk_size
+    from qat_lora.runtime.precision import default_loss_chunk_size
 
     with pytest.raises(ValueError, match=r"^--matmul-precision 'fast': choose one of default, high, highest$"):
         _cfg(teacher_dir, cache_dir, tmp_path, matmul_precision="fast")

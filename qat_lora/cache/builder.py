@@ -4,7 +4,7 @@ Rank r of W takes the sequences with index = r (mod W) of each split, runs the t
 batches, and hands the device results to a background writer that encodes (docs/cache-format.md), writes
 each shard under a temporary name, renames it, and records it in `progress-r{r}.json`. `--resume` continues
 after the last recorded shard, so a killed build ends byte-identical to an uninterrupted one. When every
-rank is done, `merge` (automatic for one rank) writes the single `manifest.json` the reader (cache.py) needs.
+rank is done, `merge_manifests` (merge.py; automatic for one rank) writes the single `manifest.json` the reader needs.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,13 +28,15 @@ from qat_lora import __version__
 from qat_lora.data import text as data
 
 from qat_lora.runtime import device as dev
+from qat_lora.runtime import precision, xla
 
 from qat_lora.data import models
 from qat_lora.cache.reader import MANIFEST, SCHEMA_VERSION
 from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.cache.merge import BUILD_FILE, merge_manifests
 from qat_lora.runtime.distributed import Backend
-from qat_lora.runtime.files import (SAFETENSORS_TEMP, FolderLock, apply_umask, atomic_write_json, check_out_apart_from_inputs,
-                    owner_stamp, read_record, save_debris, save_safetensors, sha256_file)
+from qat_lora.runtime.files import (atomic_write_json, check_out_apart_from_inputs, owner_stamp, save_debris,
+                                    save_safetensors, sha256_file)
 from qat_lora.runtime.runs import StopSignal
 
 
@@ -137,12 +138,6 @@ def _finished(cfg: CacheBuildConfig) -> bool:
     return json.loads(progress.read_text()).get("fingerprint") == cfg.fingerprint()
 
 
-# Every name a build writes in its folder (shards, progress, partial and merged manifests, their temp files,
-# and the temp file safetensors itself saves through).
-_BUILD_FILE = re.compile(r"((train|heldout)-r\d{3}-\d{5}\.safetensors|progress-r\d{3}\.json|manifest(-r\d{3})?\.json)"
-                         r"(\.tmp)?|" + SAFETENSORS_TEMP.pattern)
-
-
 def check_out_path(cfg: CacheBuildConfig) -> Path:
     """--out as a folder apart from every input (the launcher checks it before taking the folder's lock)."""
     out = Path(cfg.out)
@@ -156,7 +151,7 @@ def _check_out(cfg: CacheBuildConfig) -> Path:
     """Refuse an --out that cannot take this build, before any model loads. A folder holding anything a build
     did not write (a model, another project) is refused outright: nothing of the user's is ever deleted."""
     out = check_out_path(cfg)
-    foreign = sorted(p.name for p in out.iterdir() if not _BUILD_FILE.fullmatch(p.name)) if out.exists() else []
+    foreign = sorted(p.name for p in out.iterdir() if not BUILD_FILE.fullmatch(p.name)) if out.exists() else []
     if foreign:
         raise ValueError(f"--out {out}: holds files a cache build did not write ({', '.join(foreign[:3])}"
                          f"{', ...' if len(foreign) > 3 else ''}); pass an empty or new folder")
@@ -176,7 +171,7 @@ def prepare_out(cfg: CacheBuildConfig) -> Path:
     clear_debris(cfg, every_rank=cfg.world_size == 1)
     if cfg.overwrite:
         for old in out.iterdir():
-            old.unlink()  # all of them match _BUILD_FILE (checked above)
+            old.unlink()  # all of them match BUILD_FILE (checked above)
     return out
 
 
@@ -186,7 +181,7 @@ def clear_debris(cfg: CacheBuildConfig, every_rank: bool) -> None:
     in flight right now. Only names a build writes: a user's `notes.tmp` stays."""
     out, mine = Path(cfg.out), re.compile(rf"-r{cfg.rank:03d}[-.]")
     for stale in save_debris(out) if out.is_dir() else []:
-        if _BUILD_FILE.fullmatch(stale.name) and (every_rank or mine.search(stale.name)):
+        if BUILD_FILE.fullmatch(stale.name) and (every_rank or mine.search(stale.name)):
             stale.unlink()
 
 
@@ -303,15 +298,15 @@ def _run_teacher(cfg: CacheBuildConfig, teacher, device, backend: Backend, encod
     log(f"teacher {cfg.teacher} on {on}{who}: {total:,} tokens, "
         + ", ".join(f"{s} {len(mine[s])} x {cfg.seq_len}" for s in data.SPLITS)
         + (f", resuming after {sum(done.values())} sequences" if any(done.values()) else ""))
-    started, before = time.perf_counter(), dev.compile_metrics()
+    started, before = time.perf_counter(), xla.compile_metrics()
     with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher") as bar:
         bar.update(sum(int(packed[s][1][mine[s][:done[s]]].sum()) for s in data.SPLITS))
-        with dev.matmul_precision(device, cfg.matmul_precision):
+        with precision.matmul_precision(device, cfg.matmul_precision):
             for split in data.SPLITS:
                 _build_split(cfg, teacher, device, backend, encoding, split, packed[split], mine[split],
                              done[split], writer, bar, stop)
     writer.close()
-    loop = dev.compile_metrics_since(before)
+    loop = xla.compile_metrics_since(before)
     if dev.is_xla(device):
         log(f"XLA: {json.dumps(loop)}")
     return time.perf_counter() - started, loop
@@ -360,116 +355,3 @@ def _header(cfg: CacheBuildConfig, corpus: str, identity: dict, tokenizer, vocab
             "corpus_sha256": corpus,
             "builder": {"version": __version__, "args": {k: v for k, v in asdict(cfg).items()
                                                          if k not in ("rank", "resume", "overwrite")}}}
-
-
-def unfinished_ranks(out: Path) -> list[int]:
-    """Ranks of the build in `out` without a partial manifest yet (all of them when none exists)."""
-    partials = [_read_partial(p) for p in sorted(out.glob("manifest-r*.json"))]
-    if not partials:
-        return [0]
-    return sorted(set(range(partials[0]["world_size"])) - {p["rank"] for p in partials})
-
-
-_PARTIAL_KEYS = {"rank": int, "world_size": int, "shards": dict, "sequences": dict, "tokens": dict, "header": dict,
-                 "seconds": (int, float)}
-
-
-def _read_partial(path: Path) -> dict:
-    """One rank's partial manifest, its fields checked (a damaged one is named, not a KeyError)."""
-    partial = read_record(path)
-    bad = [k for k, kind in _PARTIAL_KEYS.items() if not isinstance((partial or {}).get(k), kind)]
-    if partial is None or bad:
-        what = "not a JSON object" if partial is None else f"no valid `{bad[0]}`"
-        raise ValueError(f"{path}: not a rank's partial manifest ({what}); rerun build-cache --resume for that rank")
-    return partial
-
-
-def _same_build(a: dict, b: dict) -> bool:
-    """Whether two ranks' partial manifests come from one build (teacher, tokenizer, encoding, corpus, world)."""
-    def key(p: dict) -> str:
-        return json.dumps([p["world_size"], {k: v for k, v in p["header"].items() if k != "builder"}], sort_keys=True)
-    return key(a) == key(b)
-
-
-def gather_ranks(dest: str | Path, sources: list[str], log: Callable[[str], None] = print) -> Path:
-    """`qat-lora cache merge DEST --from A [B ...]`: bring the ranks other hosts built into their own folders
-    (`build-cache --rank R --world-size W`, same arguments) into DEST, each shard copied under a temporary name,
-    checked against its rank's sha256 and renamed, the rank's partial manifest last; then merge. A manifest never
-    reaches outside its folder, so the shards must live beside it.
-
-    Raises:
-        ValueError: a source that is not a rank's build folder, ranks of another build, or a rank DEST already has
-            from another build; a shard missing or changed.
-    """
-    dest = Path(dest)
-    if not dest.is_dir() or not [p for p in dest.iterdir() if re.fullmatch(r"(progress|manifest)-r\d{3}\.json", p.name)]:
-        raise ValueError(f"cache merge {dest}: no build there; pass the folder one host's build-cache wrote")
-    with FolderLock(dest, "cache merge"):
-        mine = [_read_partial(p) for p in sorted(dest.glob("manifest-r*.json"))]
-        for source in map(Path, sources):
-            found = sorted(source.glob("manifest-r*.json")) if source.resolve() != dest.resolve() else []
-            if not found:
-                raise ValueError(f"--from {source}: no manifest-r*.json of another folder; pass a folder that "
-                                 "build-cache --rank R wrote")
-            for path in found:
-                mine.append(_gather_rank(dest, source, path, mine))
-        log(f"{dest}: ranks {sorted(p['rank'] for p in mine)} of {mine[0]['world_size']} present")
-        return merge_manifests(dest, log)
-
-
-def _gather_rank(dest: Path, source: Path, path: Path, present: list[dict]) -> dict:
-    partial = _read_partial(path)
-    if present and not _same_build(partial, present[0]):
-        raise ValueError(f"--from {path}: another build than {dest}'s (teacher, tokenizer, encoding, corpus or world "
-                         "size differ); build every rank with the same arguments")
-    target = dest / path.name
-    if target.exists():
-        if target.read_bytes() == path.read_bytes():
-            return partial  # gathered before (a rerun of the same merge)
-        raise ValueError(f"--from {path}: {dest} already holds a rank {partial['rank']} of its own; each rank of a "
-                         "build is built once")
-    rank_tag = f"-r{partial['rank']:03d}-"
-    for split in data.SPLITS:
-        for shard in partial["shards"].get(split, []):
-            name = shard.get("file") if isinstance(shard, dict) else None
-            if not (isinstance(name, str) and _BUILD_FILE.fullmatch(name) and rank_tag in name):
-                raise ValueError(f"--from {path}: shard name {name!r} is not one of rank {partial['rank']}'s; refusing it")
-            tmp = dest / (name + ".tmp")
-            try:
-                shutil.copyfile(source / name, tmp)
-            except FileNotFoundError:
-                raise ValueError(f"--from {source}: shard {name} is missing; rebuild that rank with --resume") from None
-            if sha256_file(tmp) != shard.get("sha256"):
-                tmp.unlink()
-                raise ValueError(f"--from {source}: shard {name} differs from its manifest (sha256); rebuild that rank")
-            apply_umask(tmp)
-            os.replace(tmp, dest / name)
-    atomic_write_json(target, partial)
-    return partial
-
-
-def merge_manifests(path: str | Path, log: Callable[[str], None] = print) -> Path:
-    """Unite the ranks' partial manifests into `manifest.json`; every rank of the build must be done."""
-    out = Path(path)
-    partials = [_read_partial(p) for p in sorted(out.glob("manifest-r*.json"))]
-    if not partials:
-        raise ValueError(f"{out}: no manifest-r*.json; run build-cache first")
-    world = partials[0]["world_size"]
-    ranks = sorted(p["rank"] for p in partials)
-    if ranks != list(range(world)):
-        raise ValueError(f"{out}: ranks {ranks} finished, the build has {world}; finish the missing ranks first")
-    headers = [json.dumps({k: v for k, v in p["header"].items() if k != "builder"}, sort_keys=True) for p in partials]
-    if len(set(headers)) != 1:
-        raise ValueError(f"{out}: the ranks' manifests disagree (teacher, tokenizer, encoding or corpus)")
-    splits = {}
-    for split in data.SPLITS:
-        shards = [dict(sh, rank=p["rank"]) for p in partials for sh in p["shards"][split]]
-        splits[split] = {"sequences": partials[0]["sequences"][split], "tokens": partials[0]["tokens"][split],
-                         "shards": shards}
-        if sum(len(range(*sh["rows"])) for sh in shards) != splits[split]["sequences"]:
-            raise ValueError(f"{out}: the {split} shards do not cover its {splits[split]['sequences']} sequences")
-    manifest = {**owner_stamp("cache"), **partials[0]["header"], "world_size": world, "splits": splits,
-                "build_seconds": max(p["seconds"] for p in partials)}
-    atomic_write_json(out / MANIFEST, manifest)
-    log(f"wrote {out / MANIFEST}")
-    return out / MANIFEST

@@ -1,6 +1,5 @@
-"""The data-side commands' configs: `generate-data` (a corpus written by the teacher) and `build-cache` (the KD
-cache). Kept beside config.py, which holds the student's and the other commands' configs and the shared checks;
-the CLI maps every field to a flag 1:1 as there.
+"""The config of `build-cache` (the KD cache): the teacher, the text it reads, the targets it writes and how the
+chips share the build, and what must match for --resume. The CLI maps every field to a flag 1:1.
 """
 from __future__ import annotations
 
@@ -8,53 +7,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 
-from qat_lora.train.config import TextInput, _require_non_negative, _require_positive
-from qat_lora.runtime.checks import require_seed
-from qat_lora.runtime.device import MATMUL_PRECISIONS
+from qat_lora.data.config import TextInput
+from qat_lora.runtime.options import DeviceInput, PrecisionInput, require_non_negative, require_positive
 from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encoding_from_flags
-
-
-@dataclass
-class GenerateDataConfig(TextInput):
-    """A corpus sampled from the teacher (self_data.py): continuations of corpus passages or of prompts."""
-
-    model: str = field(default="", metadata={"help": "teacher: transformers folder (it writes the text)",
-                                             "required": True})
-    out: str = field(default="data/self", metadata={"help": "output folder: part-*.jsonl + generate.json"})
-    data: list[str] = field(default_factory=list, metadata={"help": "corpus whose passages' first tokens are the "
-                                                                    "prompts (training text, never eval text)"})
-    prompts: str = field(default="", metadata={"help": "text file, one prompt per line (instead of --data)"})
-    raw_prompts: bool = field(default=False, metadata={"help": "--prompts as plain text, without the chat template"})
-    prefix_tokens: int = field(default=32, metadata={"help": "--data: prompt tokens taken from each passage"})
-    stride: int = field(default=256, metadata={"help": "--data: tokens between the passages prompts are taken from"})
-    tokens: int = field(default=100_000, metadata={"help": "generated tokens to write (prompts not counted); "
-                                                           "sampling goes on until the budget is met"})
-    max_new_tokens: int = field(default=224, metadata={"help": "tokens sampled per prompt"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (1 = the teacher's own "
-                                                              "distribution, which KD matches)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
-    batch_size: int = field(default=16, metadata={"help": "prompts per generate call"})
-    shard_samples: int = field(default=64, metadata={"help": "samples per part-*.jsonl (the unit of resume)"})
-    seed: int = field(default=0, metadata={"help": "sampling seed (each shard derives its own)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
-
-    def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("--model is required: the teacher that writes the corpus")
-        if bool(self.data) == bool(self.prompts):
-            raise ValueError("pass exactly one of --data (corpus passages as prompts) or --prompts (a file)")
-        _require_positive(self, "prefix_tokens", "stride", "tokens", "max_new_tokens", "temperature", "batch_size",
-                          "shard_samples")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
-        if self.shard_samples > 1000:  # batch seeds are seed + 1000 * shard + batch start: keep them distinct
-            raise ValueError(f"--shard-samples {self.shard_samples}: at most 1000")
-        if self.batch_size > self.shard_samples:  # a generate call never spans two shards: it would be capped
-            raise ValueError(f"--batch-size {self.batch_size}: larger than --shard-samples {self.shard_samples}, "
-                             f"which caps each generate call; pass --shard-samples {self.batch_size} (or more) too")
-        require_seed(self.seed)
-        self.text_decoding()
-
 
 TEACHER_DTYPES = ("fp32", "bf16")
 # Build flags added after caches existed, at the value that reproduces those caches: left out of the
@@ -71,7 +26,7 @@ _EARLIER_TARGET_DEFAULTS = ({"encoding": "topk"}, {"num_samples": 50})
 
 
 @dataclass
-class CacheBuildConfig(TextInput):
+class CacheBuildConfig(TextInput, DeviceInput, PrecisionInput):
     teacher: str = field(default="", metadata={"help": "teacher: transformers folder, .gguf file or hub name",
                                                "required": True})
     data: list[str] = field(default_factory=list, metadata={"help": "text files or folders (.txt, .jsonl, datasets "
@@ -89,12 +44,10 @@ class CacheBuildConfig(TextInput):
     max_tokens: int = field(default=1_000_000, metadata={"help": "token budget over both splits (0 = all)"})
     batch_size: int = field(default=8, metadata={"help": "sequences per teacher forward"})
     holdout_fraction: float = field(default=0.02, metadata={"help": "fraction of documents held out, by hash"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
+    device: str = DeviceInput.device_field()  # checked where the teacher loads (device.resolve_device)
     dtype: str = field(default="fp32", metadata={"help": "teacher weights and activations: fp32 or bf16 (the "
                                                          "log-softmax is fp32 either way)"})
-    matmul_precision: str = field(default="default", metadata={
-        "help": "fp32 matmuls: default (the backend's: one bf16 pass on TPU, full fp32 on CPU/CUDA), high "
-                "(TPU: 3 passes; CUDA: TF32) or highest (TPU: 6 passes, ~fp32)"})
+    matmul_precision: str = PrecisionInput.matmul_precision_field()
     text_field: str = field(default="text", metadata={"help": "text key of .jsonl records and datasets"})
     chat: bool = field(default=False, metadata={"help": "records hold `messages`: render them with the chat template"})
     shard_sequences: int = field(default=1024, metadata={"help": "sequences per shard file"})
@@ -118,8 +71,8 @@ class CacheBuildConfig(TextInput):
             raise ValueError("--teacher is required: the teacher's transformers folder, .gguf file or hub name")
         if not self.data:
             raise ValueError("--data is required: the text files or folders to cache (.txt, .jsonl)")
-        _require_positive(self, "seq_len", "batch_size", "shard_sequences", "world_size")
-        _require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
+        require_positive(self, "seq_len", "batch_size", "shard_sequences", "world_size")
+        require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens {self.max_tokens}: must be >= 0 (0 = the whole corpus)")
         if not 0.0 <= self.holdout_fraction < 1.0:
@@ -130,8 +83,7 @@ class CacheBuildConfig(TextInput):
             raise ValueError("--resume and --overwrite exclude each other")
         if self.dtype not in TEACHER_DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose {' or '.join(TEACHER_DTYPES)}")
-        if self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"--matmul-precision {self.matmul_precision!r}: choose one of {', '.join(MATMUL_PRECISIONS)}")
+        self.check_precision()
         self.target_encoding()
         self.text_decoding()
 

@@ -9,7 +9,7 @@
     qat-lora export --model M --quant w3g64 --adapter runs/w3g64/adapter --out exports/w3g64
     qat-lora demo                              # all of the above on SmolLM2, with a small budget
 
-The CLI is the only place that reads argv: below it every component takes a config dataclass (config.py),
+The CLI is the only place that reads argv: below it every component takes a config dataclass (its stage's config.py),
 and each command's module is imported only when that command runs (`qat-lora plot` loads no trainer).
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _fetch_assets(args: argparse.Namespace) -> None:
 
 def _build_cache(args: argparse.Namespace) -> None:
     from qat_lora.cache.config import CacheBuildConfig
-    from qat_lora.runtime.launch import build_cache_on_chips, chip_rank
+    from qat_lora.cache.launch import build_cache_on_chips, chip_rank
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Started by torchrun or --num-chips (any launcher that sets RANK / WORLD_SIZE): one builder per process,
@@ -88,34 +88,34 @@ def _build_cache(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from qat_lora.train.config import TrainConfig
-    from qat_lora.runtime.launch import run
+    from qat_lora.train.launch import run
 
     return run(config_from_args(TrainConfig, args))
 
 
 def _generate_data(args: argparse.Namespace) -> None:
-    from qat_lora.cache.config import GenerateDataConfig
+    from qat_lora.data.config import GenerateDataConfig
     from qat_lora.data.teacher_text import generate_data
 
     generate_data(config_from_args(GenerateDataConfig, args))
 
 
 def _quantize(args: argparse.Namespace) -> None:
-    from qat_lora.train.config import QuantizeConfig
+    from qat_lora.commands.config import QuantizeConfig
     from qat_lora.commands.quantize import quantize
 
     quantize(config_from_args(QuantizeConfig, args))
 
 
 def _recover(args: argparse.Namespace) -> None:
-    from qat_lora.train.config import RecoverConfig
+    from qat_lora.commands.config import RecoverConfig
     from qat_lora.commands.recover import recover
 
     recover(config_from_args(RecoverConfig, args))
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from qat_lora.train.config import EvalConfig
+    from qat_lora.commands.config import EvalConfig
     from qat_lora.commands.evaluate import evaluate
 
     evaluate(config_from_args(EvalConfig, args))
@@ -129,7 +129,7 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from qat_lora.export.config import GenerateConfig
+    from qat_lora.commands.config import GenerateConfig
     from qat_lora.commands.generate import generate
 
     if not args.prompt:
@@ -138,14 +138,14 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from qat_lora.export.config import GenerateConfig
+    from qat_lora.commands.config import GenerateConfig
     from qat_lora.commands.generate import chat
 
     chat(config_from_args(GenerateConfig, args))
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from qat_lora.export.config import DemoConfig
+    from qat_lora.commands.config import DemoConfig
     from qat_lora.commands.demo import run_demo
 
     run_demo(config_from_args(DemoConfig, args))
@@ -159,7 +159,7 @@ def _plot(args: argparse.Namespace) -> None:
 
 def _cache_tool(args: argparse.Namespace) -> None:
     from qat_lora.cache.reader import inspect_cache, verify_cache
-    from qat_lora.cache.builder import gather_ranks, merge_manifests
+    from qat_lora.cache.merge import gather_ranks, merge_manifests
 
     if args.action == "verify":
         problems = verify_cache(args.dir)
@@ -200,9 +200,11 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     the name of the script in scripts/ that runs it, and `defaults` are that script's own defaults (what its
     --help shows)."""
     from qat_lora import __version__
-    from qat_lora.train.config import EvalConfig, QuantizeConfig, RecoverConfig, TrainConfig
-    from qat_lora.export.config import DemoConfig, ExportConfig, GenerateConfig
-    from qat_lora.cache.config import CacheBuildConfig, GenerateDataConfig
+    from qat_lora.data.config import GenerateDataConfig
+    from qat_lora.cache.config import CacheBuildConfig
+    from qat_lora.train.config import TrainConfig
+    from qat_lora.export.config import ExportConfig
+    from qat_lora.commands.config import DemoConfig, EvalConfig, GenerateConfig, QuantizeConfig, RecoverConfig
 
     parser = _Parser(prog="qat-lora", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"qat-lora {__version__}")

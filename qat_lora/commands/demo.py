@@ -16,8 +16,8 @@ from pathlib import Path
 from qat_lora.runtime import device as dev
 from qat_lora.cache.reader import KDCache
 from qat_lora.cache.builder import build_cache
-from qat_lora.train.config import QuantizeConfig, StudentSpec, TrainConfig
-from qat_lora.export.config import DemoConfig
+from qat_lora.commands.config import DemoConfig, QuantizeConfig
+from qat_lora.train.config import StudentSpec, TrainConfig
 from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.runtime.files import atomic_write_json, owned_by, owner_stamp
 from qat_lora.train.metrics import kd_metrics, perplexity

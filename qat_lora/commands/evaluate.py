@@ -8,15 +8,15 @@ import json
 from dataclasses import asdict
 
 from qat_lora.runtime import device as dev
+from qat_lora.runtime import precision, xla
 
 from qat_lora.data import models
 from qat_lora.cache.reader import KDCache
-from qat_lora.train.config import EvalConfig
-from qat_lora.runtime.checks import EVAL_KIND
-from qat_lora.export.exporter import adapter_bits_per_weight, bits_per_weight
+from qat_lora.commands.config import EVAL_KIND, EvalConfig
 from qat_lora.runtime.files import atomic_write_json, owner_stamp
 from qat_lora.train.metrics import kd_metrics, perplexity
-from qat_lora.train.student import load_student, resolve_attn
+from qat_lora.quant.state import bits_per_weight
+from qat_lora.train.student import adapter_bits_per_weight, load_student, resolve_attn
 
 
 def evaluate(cfg: EvalConfig, log=print) -> dict:
@@ -25,8 +25,8 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     cache = KDCache(cfg.cache) if cfg.cache else None  # a bad cache fails before the model loads, too
     device = dev.resolve_device(cfg.device)
     if dev.is_xla(device):
-        dev.init_xla_cache(cfg.xla_cache_dir)  # no-op when this process compiled already (a notebook's 2nd call)
-    amp_dtype = dev.autocast_dtype(device, cfg.precision)  # training's default autocast: the same loss values
+        xla.init_xla_cache(cfg.xla_cache_dir)  # no-op when this process compiled already (a notebook's 2nd call)
+    amp_dtype = precision.autocast_dtype(device, cfg.precision)  # training's default autocast: the same loss values
     tokenizer = models.load_tokenizer(cfg.model)
     model = dev.move_model_(load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)), device)
     result: dict = {"model": cfg.model, "quant": cfg.quant or None, "adapter": cfg.adapter or None,

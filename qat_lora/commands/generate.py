@@ -21,7 +21,7 @@ import torch
 from qat_lora.runtime import device as dev
 
 from qat_lora.data import models
-from qat_lora.export.config import GenerateConfig
+from qat_lora.commands.config import GenerateConfig
 from qat_lora.train.student import load_student
 
 

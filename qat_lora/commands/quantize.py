@@ -25,13 +25,13 @@ from qat_lora.data import models
 from qat_lora.cache.reader import KDCache
 from qat_lora.quant.blockwise import reconstruct_blocks_
 from qat_lora.quant.calibration import activation_importance, calibration_batches
-from qat_lora.train.config import QuantizeConfig
+from qat_lora.commands.config import QuantizeConfig
 from qat_lora.runtime.files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record,
                     require_folder)
 from qat_lora.quant.gptq import gptq_
 from qat_lora.quant.fake_quant import get_preset, quant_config_dict, quantize_
 from qat_lora.runtime.runs import INIT_REPORT_FILE, QUANTIZER_FILE, RunDiverged
-from qat_lora.train.student import quantizer_state_dict, save_quantizer_state
+from qat_lora.quant.state import quantizer_state_dict, save_quantizer_state
 
 REPORT_FILE = INIT_REPORT_FILE
 BLOCKS_DIR = "blocks"  # block-wise reconstruction's per-block states and progress.json

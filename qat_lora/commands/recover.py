@@ -25,7 +25,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from qat_lora.train.config import QuantizeConfig, RecoverConfig, StudentSpec, TrainConfig
+from qat_lora.commands.config import QuantizeConfig, RecoverConfig
+from qat_lora.train.config import StudentSpec, TrainConfig
 from qat_lora.data import models
 from qat_lora.cache.reader import KDCache
 from qat_lora.runtime.files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record,

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qat_lora.runtime import device as dev
+from qat_lora.runtime import xla
 from qat_lora.runtime.files import first_line, sha256_file
 
 
@@ -129,6 +129,13 @@ def check_model(name_or_path: str | Path) -> None:
     _location(name_or_path)
 
 
+def model_context(model: str) -> int | None:
+    """max_position_embeddings from the model's config.json (a packed export's inside base_config), if known."""
+    config = read_model_config(model) or {}
+    limit = config.get("base_config", config).get("max_position_embeddings")
+    return limit if isinstance(limit, int) else None
+
+
 def _damaged_json(name_or_path: str | Path) -> Path | None:
     """The first .json file of a model folder that does not parse (a cut-short copy), if any."""
     path = _path(name_or_path)
@@ -141,7 +148,7 @@ def _damaged_json(name_or_path: str | Path) -> Path | None:
 
 
 def load_tokenizer(name_or_path: str | Path):
-    dev.keep_torch_xla_unloaded()  # importing transformers imports accelerate, which imports torch_xla
+    xla.keep_torch_xla_unloaded()  # importing transformers imports accelerate, which imports torch_xla
     from transformers import AutoTokenizer
 
     location, kwargs = _location(name_or_path)
@@ -162,7 +169,7 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     Raises:
         ValueError: missing path or unloadable model, in one line naming it.
     """
-    dev.keep_torch_xla_unloaded()
+    xla.keep_torch_xla_unloaded()
     from transformers import AutoModelForCausalLM
 
     location, kwargs = _location(name_or_path)

@@ -30,8 +30,8 @@ from qat_lora.data import text as data
 from qat_lora.runtime import device as dev
 
 from qat_lora.data import models
-from qat_lora.train.config import field_defaults
-from qat_lora.cache.config import GenerateDataConfig
+from qat_lora.runtime.options import field_defaults
+from qat_lora.data.config import GenerateDataConfig
 from qat_lora.runtime.files import FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record
 
 REPORT_FILE = data.GENERATED_REPORT

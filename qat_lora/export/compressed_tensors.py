@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from qat_lora.runtime.files import save_safetensors
-from qat_lora.export.gguf.writer import _state_tensors  # full-precision tensors, tied head skipped
+from qat_lora.export.tensors import full_precision_tensors  # full-precision tensors, tied head skipped
 from qat_lora.quant.fake_quant import FakeQuantLinear
 from qat_lora.quant.config import QuantConfig
 
@@ -123,7 +123,7 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, quant: QuantC
         tensors.update(parts)
         args = json.dumps(_weights_args(layer, symmetric), sort_keys=True)  # one config group per distinct grid
         groups.setdefault(args, []).append(name)
-    tensors.update({k: v.detach().cpu().contiguous() for k, v in _state_tensors(model, layers).items()})
+    tensors.update(full_precision_tensors(model, layers))
     config = model.config.to_dict()
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",

@@ -1,17 +1,29 @@
-"""The configuration of the commands that use a student: export, generate / chat and the demo (config.py holds the
-training and evaluation ones and the shared `StudentSpec`)."""
+"""The config of `qat-lora export` (flags 1:1): the student, its adapter, the formats written and the checks of
+what each format's writer would refuse, made from the flags and config.json before the student is built."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
-from qat_lora.train.config import DATA_INITS, StudentSpec, check_lora_init, rate_at_rank
-from qat_lora.runtime.checks import (MAX_LR, check_adapter, check_gguf_export, require_at_most, require_device,
-                            require_non_negative, require_positive, require_seed)
-from qat_lora.cache.config import CacheBuildConfig
-from qat_lora.cache.encodings import encoding_from_flags
+from qat_lora.data import models
+from qat_lora.runtime.options import MAX_LR, require_at_most, require_non_negative, require_positive
+from qat_lora.train.config import StudentSpec, check_adapter
 from qat_lora.quant.fake_quant import get_preset
 
 EXPORT_FORMATS = ("packed", "dense", "both", "gguf", "compressed-tensors")
+
+
+def check_gguf_export(model: str) -> None:
+    """What the GGUF writer would refuse once the student is built: no gguf package, or an architecture it does
+    not write (from config.json; a .gguf --model is checked against its own metadata later)."""
+    from qat_lora.export.gguf.arch import gguf_architecture
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("--format gguf needs the gguf package: pip install 'qat-lora[gguf]'")
+    config = models.read_model_config(model)
+    if config is not None:
+        gguf_architecture(SimpleNamespace(**config))
 
 
 @dataclass
@@ -76,82 +88,3 @@ class ExportConfig(StudentSpec):
             check_supported(get_preset(self.quant), self.quant)
         if self.format == "gguf":
             check_gguf_export(self.model)
-
-
-@dataclass
-class GenerateConfig(StudentSpec):
-    quant: str = field(default="", metadata={"help": "quantisation preset of a student built from a full-precision "
-                                                    "--model (empty: --model is used as it is, e.g. an export)"})
-    adapter: str = field(default="", metadata={"help": "recovery adapter folder (a run's or an export's adapter/)"})
-    prompt: str = field(default="", metadata={"help": "generate: the user message (required)"})
-    system: str = field(default="", metadata={"help": "chat: a system message opening the conversation"})
-    raw: bool = field(default=False, metadata={"help": "send the prompt as plain text, not in the chat template"})
-    max_new_tokens: int = field(default=256, metadata={"help": "tokens to generate per reply"})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples at this temperature"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (with --temperature > 0)"})
-    seed: int = field(default=0, metadata={"help": "sampling seed"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu (XLA: static KV cache)"})
-
-    def __post_init__(self) -> None:
-        require_positive(self, "max_new_tokens")
-        require_non_negative(self, "temperature", finite=True)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
-        require_seed(self.seed)
-        require_device(self.device)
-        check_adapter(self.adapter)
-        super().__post_init__()
-
-
-def default_lora_lr(teacher: str, lora_r: int) -> float:
-    """The demo's and the notebooks' LoRA rate for a fetch-assets teacher at rank `lora_r`: its measured rank-16
-    rate (TeacherAsset.lora_lr) times 16 / r."""
-    from qat_lora.data.teachers import teacher_asset  # imported here, as in DemoConfig: no import cycle through models
-
-    return rate_at_rank(teacher_asset(teacher).lora_lr, lora_r)
-
-
-@dataclass
-class DemoConfig:
-    assets_dir: str = field(default="", metadata={"help": "asset folder (default: ~/.cache/qat-lora/assets)"})
-    teacher: str = field(default="smollm2-135m", metadata={"help": "the teacher fetch-assets prepares: smollm2-135m "
-                                                                  "or gemma3-270m"})
-    work_dir: str = field(default="runs/demo", metadata={"help": "where the cache, run and results go"})
-    quant: str = field(default="w3g64", metadata={"help": "quantisation preset of the student"})
-    seq_len: int = field(default=256, metadata={"help": "sequence length for cache, training and eval"})
-    encoding: str = field(default="sampled", metadata={"help": "cache targets: sampled (RS-KD) or topk (+ tail)"})
-    num_samples: int = field(default=64, metadata={"help": "sampled: teacher draws per position"})
-    top_k: int = field(default=64, metadata={"help": "topk: teacher log-probs kept per position"})
-    cache_tokens: int = field(default=56_000, metadata={"help": "teacher tokens to cache (train + held-out)"})
-    eval_tokens: int = field(default=8_192, metadata={"help": "Wikipedia tokens for perplexity"})
-    max_steps: int = field(default=50, metadata={"help": "optimizer steps (one pass over the cached tokens)"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per step"})
-    lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = the rate measured best for --teacher "
-                                                      "at rank 16, times 16 / --lora-r: 2e-3 for smollm2-135m, "
-                                                      "5e-4 for gemma3-270m)"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
-    init: str = field(default="gptq", metadata={"help": "data-aware init before the LoRA: gptq, act or none "
-                                                        "(docs/RESULTS.md: w3g64 GPTQ + LoRA 21.9 ppl, RTN + LoRA 25.0)"})
-    calib_sequences: int = field(default=128, metadata={"help": "calibration sequences for --init and --lora-init"})
-    lora_init: str = field(default="calibrated", metadata={
-        "help": "LoRA start: calibrated (each adapter the best rank-r correction of its layer's quantisation error; "
-                "docs/RESULTS.md: w3g64 21.1 ppl against 22.1 from zero) or zero"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, xla or tpu"})
-
-    def __post_init__(self) -> None:
-        from qat_lora.data.teachers import teacher_asset
-
-        teacher_asset(self.teacher)  # an unknown name is refused before anything downloads
-        get_preset(self.quant)
-        if self.init not in DATA_INITS:
-            raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
-        check_lora_init(self.lora_init, folder_allowed=False)
-        # The cache's own checks, before anything downloads (the demo keeps build-cache's --value-bits).
-        encoding_from_flags(self.encoding, self.top_k, CacheBuildConfig.value_bits, self.num_samples)
-        require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
-                         "lora_r", "calib_sequences")
-        if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used
-            self.lr = default_lora_lr(self.teacher, self.lora_r)
-        require_positive(self, "lr", finite=True)
-        require_at_most(self, lr=MAX_LR)
-        require_device(self.device)

@@ -36,10 +36,13 @@ from qat_lora.runtime.files import (OWNER_KEY, FolderLock, apply_umask, atomic_w
                     owner_stamp, require_folder, save_safetensors)
 from qat_lora.export.gguf.writer import GGUF_DIR, save_gguf
 from qat_lora.export.gguf.lora import save_gguf_lora
-from qat_lora.train.student import build_student, load_student, save_adapter, save_quantizer_state
+from qat_lora.export.tensors import full_precision_tensors
+from qat_lora.train.student import build_student, load_student, save_adapter
 from qat_lora.train.trainer import train
-from qat_lora.quant.fake_quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, dequantize, get_preset, quant_config_dict,
-                    quant_config_from_dict)
+from qat_lora.quant.fake_quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, get_preset, quant_config_dict,
+                    quant_config_from_dict, quantised_layers)
+from qat_lora.quant.grid import dequantize
+from qat_lora.quant.state import bits_per_weight, save_quantizer_state
 
 HEADER_KEY = "qat_lora"
 FORMAT_NAME = "qat-lora-packed"
@@ -93,42 +96,6 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return torch.from_numpy((bit_stream.astype(np.uint16) * weights).sum(1).astype(np.uint8))
 
 
-def _quantised_layers(model: nn.Module) -> dict[str, FakeQuantLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
-
-
-def layer_bits(layer: FakeQuantLinear) -> int:
-    """Storage bits of one quantised linear: codes at their width plus every fp16 quantiser tensor."""
-    return layer.weight.numel() * layer.cfg.bits + 16 * sum(p.numel() for p in layer.quant_parameters().values())
-
-
-def bits_per_weight(model: nn.Module) -> float:
-    """Mean storage bits per quantised weight, scales, zeros, codebooks and low-rank factors included."""
-    layers = _quantised_layers(model).values()
-    return sum(layer_bits(m) for m in layers) / _quantised_weights(model)
-
-
-def _quantised_weights(model: nn.Module) -> int:
-    return max(1, sum(m.weight.numel() for m in _quantised_layers(model).values()))
-
-
-def adapter_bits_per_weight(model: nn.Module) -> float:
-    """What an unmerged LoRA adapter adds to bits_per_weight when it ships beside the low-bit base: its fp16
-    entries per quantised weight (0 without one). Rank r on an m x n layer costs 16 r (m + n) / (m n) bits."""
-    return 16 * sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / _quantised_weights(model)
-
-
-def _other_tensors(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
-    """State-dict tensors outside the quantised weights, each storage once (tied embeddings share one)."""
-    out, seen = {}, set()
-    for key, tensor in model.state_dict().items():
-        if key in skip or tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        out[key] = tensor.detach().cpu().contiguous()
-    return out
-
-
 @torch.no_grad()
 def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, tokenizer=None) -> dict:
     """Write the packed artefact of a fake-quant student (no PEFT wrapper) to `out_dir`.
@@ -138,16 +105,15 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors, layers, skip = {}, {}, set()
-    for name, layer in _quantised_layers(model).items():
+    tensors, layers = {}, {}
+    quantised = quantised_layers(model)
+    for name, layer in quantised.items():
         tensors[f"{name}.qweight"] = pack_codes(layer.codes().cpu(), layer.cfg.bits)
         for key, value in layer.stored_quant_parameters().items():  # what the forward uses, exact in fp16
             tensors[f"{name}.{key}"] = value.cpu().to(torch.float16).contiguous()
-            skip.add(f"{name}.{key}")
-        skip.add(f"{name}.weight")
         layers[name] = {"config": quant_config_dict(layer.cfg), "group_size": layer.group_size,
                         "out_features": layer.out_features, "in_features": layer.in_features}
-    tensors.update(_other_tensors(model, skip))
+    tensors.update(full_precision_tensors(model, quantised))
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "quant_config": quant_config_dict(quant),
               "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "layers": layers,
               "bits_per_weight": bits_per_weight(model)}
@@ -224,7 +190,7 @@ def load_packed(path: str | Path) -> nn.Module:
 
 def dequantize_(model: nn.Module) -> nn.Module:
     """Replace every FakeQuantLinear by a plain nn.Linear holding its Wq, in place (the dense export)."""
-    for name, layer in _quantised_layers(model).items():
+    for name, layer in quantised_layers(model).items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer.to_linear())
     return model
@@ -281,9 +247,8 @@ def _prepare_out(cfg: ExportConfig, entries: list[str]) -> Path:
 def byte_breakdown(model: nn.Module) -> dict[str, int]:
     """Bytes of the low-bit student as the packed format stores them: quantised linears' codes, their fp16
     quantiser tensors (scales, zeros, codebooks), the input embeddings, the head (0 when tied) and the rest."""
-    layers = _quantised_layers(model)
-    skip = {f"{n}.{k}" for n in layers for k in ("weight", *QUANT_TENSORS)}
-    sizes = {id(t): t.numel() * t.element_size() for t in _other_tensors(model, skip).values()}
+    layers = quantised_layers(model)
+    sizes = {id(t): t.numel() * t.element_size() for t in full_precision_tensors(model, layers).values()}
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     embeddings = emb.numel() * emb.element_size()
     head_bytes = 0 if head.data_ptr() == emb.data_ptr() else head.numel() * head.element_size()
@@ -336,7 +301,7 @@ def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Cal
     land on the grid keep the adapter's recovery. Returns (the re-snapped student on its grid, the run summary)."""
     work = out / RESNAP_DIR
     plain = copy.deepcopy(merged)
-    for name, layer in _quantised_layers(plain).items():  # the latent weights, not their grid values
+    for name, layer in quantised_layers(plain).items():  # the latent weights, not their grid values
         linear = layer.to_linear()
         linear.weight.data = layer.weight.detach().clone()
         parent, _, child = name.rpartition(".")

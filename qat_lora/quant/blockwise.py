@@ -41,7 +41,7 @@ from qat_lora.quant import blocks
 from qat_lora.runtime.files import atomic_write_json, save_safetensors
 from qat_lora.quant.fake_quant import FakeQuantLinear
 from qat_lora.quant.inits import SCALE_FLOOR, snap_fp16
-from qat_lora.train.student import CODES_KEY, quantizer_state_dict
+from qat_lora.quant.state import CODES_KEY, quantizer_state_dict
 
 PROGRESS_FILE = "progress.json"
 BLOCK_FILE = "block-{index:03d}.safetensors"  # one block's quantizer_state_dict(codes=True) entries

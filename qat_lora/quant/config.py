@@ -1,4 +1,5 @@
-"""The quantisation config: `QuantConfig`, the preset table `PRESETS` and their JSON form (DESIGN §4).
+"""The quantisation config: `QuantConfig`, the preset table `PRESETS` and their JSON form (DESIGN §4), and the
+check of a --quantizer file.
 
 A leaf (no torch): the CLI, configs and manifests read presets without building a model. `qat_lora.quant.fake_quant`
 re-exports everything here, so `from qat_lora.quant.fake_quant import QuantConfig, PRESETS` stays the public spelling.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 SCHEMES = ("int", "lut", "kquant")
 INITS = ("rtn", "mse", "hqq", "ggml")
@@ -189,3 +191,19 @@ def quant_config_from_dict(data: dict) -> QuantConfig:
     data["overrides"] = tuple((p, quant_config_from_dict(c)) for p, c in data.get("overrides", ()))
     return replace(QuantConfig(), **data)
 
+
+
+def check_quantizer_file(path: str) -> None:
+    """--quantizer is an intact safetensors file (its header read, not its tensors)."""
+    from safetensors import SafetensorError, safe_open  # imported here: the presets stay a leaf
+
+    from qat_lora.runtime.files import first_line
+
+    if path and not Path(path).is_file():
+        raise ValueError(f"--quantizer {path}: no such file; pass a qat run's quantizer.safetensors")
+    try:
+        if path:
+            safe_open(path, "pt").keys()  # the header only: a cut-short file fails here
+    except SafetensorError as e:
+        raise ValueError(f"--quantizer {path}: damaged or truncated ({first_line(e)}); use the run's intact copy or "
+                         "rerun the stage that wrote it") from None

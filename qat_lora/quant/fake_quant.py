@@ -1,18 +1,9 @@
-"""Fake-quantised linear layers and `quantize_` (DESIGN §4); the config and presets live in quant_config.py.
+"""Fake-quantised linear layers and `quantize_` (DESIGN §4); the config and presets live in config.py, the grids'
+arithmetic (Wq, codes, dequantisation) in grid.py.
 
 `quantize_(model, config)` swaps every matching `nn.Linear` for a `FakeQuantLinear` in place. The latent
-full-precision weight is kept (wrap, don't copy). Two schemes, both materialising Wq once per forward and
-then running ONE matmul:
-
-    int:  Wq = s * (clamp(round(W / s) + z, qmin, qmax) - z)       groups of G input columns
-          Wq = s * clamp(round((W - m) / s), qmin, qmax) + m      zero_domain float (m: fp16 offset, llama.cpp Q4_1)
-    lut:  Wq = s * LUT[nearest(W / s)]                             2^b-entry codebook, per tensor or group
-
-`round`/`nearest` use a straight-through estimator, so scales s, zeros z and codebooks receive LSQ-style
-gradients (Esser et al., 2020). Optional low-rank scales multiply the group scales by (1 + A @ B)
-(A: [out, r], B: [r, in]; Apple/Anemll style) without running r matmuls. Scales, codebooks and low-rank
-factors are always used at fp16 precision (snapped with an STE), which is what the export stores: dequantising
-the export therefore reproduces the training-time Wq bit for bit.
+full-precision weight is kept (wrap, don't copy). Every scheme materialises Wq once per forward and then runs ONE
+matmul; when nothing of a layer trains, Wq is computed once and reused.
 
 A layer whose latent weight was loaded from integer codes (a GPTQ, block-wise or weight-qat start) sits exactly on
 its grid, where LSQ's scale gradient round(W/s) - W/s is identically 0 and, once s moves, takes the sign of
@@ -23,110 +14,21 @@ weight keeps its straight-through gradient.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 import torch.nn.functional as F
-
-from qat_lora.runtime import device as dev
 
 from qat_lora.quant import kquant
 
 from qat_lora.quant import inits as quant_init
 from qat_lora.quant.config import (CODEBOOKS, INITS, PRESETS, SCHEMES, ZERO_DOMAINS, QuantConfig,  # noqa: F401 (re-exported)
                            get_preset, quant_config_dict, quant_config_from_dict)
+from qat_lora.quant.grid import dequantize, quantize_weight, weight_codes
 
 
-_round_ste, _fp16_ste = quant_init.round_ste, quant_init.fp16_ste  # shared with kquant.py
 QUANT_PARAMETERS = ("scale", "zero", "codebook", "scale_a", "scale_b", *kquant.PARAMETERS)  # every scheme's names
-
-
-def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
-                    group_size: int) -> torch.Tensor:
-    """Per-group scales, optionally times low-rank factors; the one formula training and export share.
-
-    Args:
-        scale: [out, groups]; scale_a: [out, r] or None; scale_b: [r, in] or None.
-    Returns:
-        [out, groups, 1] (no low-rank factors) or [out, groups, G].
-    """
-    s = _fp16_ste(scale).unsqueeze(-1)
-    if scale_a is None:
-        return s
-    low_rank = _fp16_ste(scale_a) @ _fp16_ste(scale_b)  # [out, in]: one small matmul, not r big ones
-    return s * (1.0 + low_rank.reshape(s.shape[0], s.shape[1], group_size))
-
-
-def _zero_point(zero: torch.Tensor, zero_domain: str) -> torch.Tensor:
-    """The zero the grid uses (QuantConfig.zero_domain): round(z) (int) or fp16(m) (float), both through an STE,
-    or 0 (none): zero * 0 gives the parameter a gradient of exactly 0, so it stays 0 under AdamW too."""
-    if zero_domain == "float":
-        return _fp16_ste(zero)
-    return zero * 0.0 if zero_domain == "none" else _round_ste(zero)
-
-
-def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int,
-                  zero_domain: str = "int", hold_codes: bool = False) -> torch.Tensor:
-    """Wq = s * (clamp(round(W/s) + round(z), qmin, qmax) - round(z)), group-wise, STE on both rounds; with
-    zero_domain float Wq = s * clamp(round((W - m)/s), qmin, qmax) + m, m at fp16 (llama.cpp's Q4_1).
-
-    Args:
-        weight: [out, in]; scale: [out, groups] or [out, groups, G|1]; zero: [out, groups].
-        hold_codes: s (and a float m) enter round's argument detached: d Wq / d s = the code (module docstring).
-    Returns:
-        [out, in] fake-quantised weight in weight's dtype.
-    """
-    out_features, in_features = weight.shape
-    groups = zero.shape[1]
-    w = weight.reshape(out_features, groups, in_features // groups)
-    s = scale.unsqueeze(-1) if scale.dim() == 2 else scale
-    z = _zero_point(zero, zero_domain).unsqueeze(-1)
-    s_in, z_in = (s.detach(), z.detach()) if hold_codes else (s, z)  # round's argument (same values either way)
-    if zero_domain == "float":  # d * q, then + m, in that order: what gguf's dequantiser computes, so bit-exact
-        wq = torch.clamp(_round_ste((w - z_in) / s_in), qmin, qmax) * s + z
-    else:  # an integer zero stays in the argument: shifting it shifts the codes, and Wq does not change
-        wq = (torch.clamp(_round_ste(w / s_in) + z, qmin, qmax) - z) * s
-    return wq.reshape(out_features, in_features).to(weight.dtype)
-
-
-def _lut_lookup(v: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest codebook entry of each value, without data-dependent shapes (sort, then searchsorted's left-side
-    index over the midpoints; on XLA, which has no searchsorted, the same index as a compare-and-sum).
-
-    Args:
-        v: [out, groups, G]; codebook: [1, 1, K] or [out, groups, K].
-    Returns:
-        (values [out, groups, G], differentiable w.r.t. codebook; codes [out, groups, G] int64 into codebook)
-    """
-    ordered, order = codebook.sort(-1)
-    ordered = ordered.expand(v.shape[0], v.shape[1], -1)
-    mids = (ordered[..., 1:] + ordered[..., :-1]) / 2
-    if dev.searchsorted_is_native(v.device):
-        pos = torch.searchsorted(mids.detach().contiguous(), v.detach().contiguous())
-    else:  # how many midpoints are < v: [out, groups, G, K-1] -> [out, groups, G], ties left as searchsorted's
-        pos = (mids.detach().unsqueeze(-2) < v.detach().unsqueeze(-1)).sum(-1)
-    return ordered.gather(-1, pos), order.expand(v.shape[0], v.shape[1], -1).gather(-1, pos)
-
-
-def fake_quantize_lut(weight: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
-                      hold_codes: bool = False) -> torch.Tensor:
-    """Wq = s * LUT[nearest(W / s)]; STE passes W/s through (inside the codebook's range) to W and s.
-
-    Args:
-        weight: [out, in]; scale: [out, groups, G|1]; codebook: [1, 1, K] or [out, groups, K].
-        hold_codes: s enters W / s detached: d Wq / d s = the code's value (module docstring).
-    Returns:
-        [out, in] in weight's dtype.
-    """
-    out_features, in_features = weight.shape
-    v = weight.reshape(out_features, scale.shape[1], -1) / (scale.detach() if hold_codes else scale)
-    values, _ = _lut_lookup(v, codebook)
-    lo = codebook.detach().amin(-1, keepdim=True)
-    hi = codebook.detach().amax(-1, keepdim=True)
-    vc = torch.clamp(v, lo, hi)
-    q = values + (vc - vc.detach())  # forward: exactly values; backward: d/dv = 1 inside the range
-    return (q * scale).reshape(out_features, in_features).to(weight.dtype)
 
 
 class FakeQuantLinear(nn.Linear):
@@ -231,17 +133,8 @@ class FakeQuantLinear(nn.Linear):
             setattr(self, name, nn.Parameter(value.to(self.weight.device), requires_grad=False))
         self._cached_wq = None
 
-    def _scale(self) -> torch.Tensor:
-        return effective_scale(self.scale, getattr(self, "scale_a", None), getattr(self, "scale_b", None),
-                               self.group_size)
-
     def _fake_quantize(self) -> torch.Tensor:
-        if self.cfg.scheme == "kquant":
-            return kquant.fake_quantize_kquant(self.weight, self.cfg, self.hold_codes, **self.quant_parameters())
-        if self.cfg.scheme == "int":
-            cfg = self.cfg
-            return fake_quantize(self.weight, self._scale(), self.zero, cfg.qmin, cfg.qmax, cfg.zero_domain, self.hold_codes)
-        return fake_quantize_lut(self.weight, self._scale(), _fp16_ste(self.codebook), self.hold_codes)
+        return quantize_weight(self.weight, self.cfg, self.group_size, self.hold_codes, **self.quant_parameters())
 
     def trains(self) -> bool:
         """Whether Wq depends on a trained tensor (the latent weight or a quantiser parameter)."""
@@ -267,17 +160,7 @@ class FakeQuantLinear(nn.Linear):
     @torch.no_grad()
     def codes(self) -> torch.Tensor:
         """Integer codes [out, in] (uint8, in [0, 2^bits)) that `dequantize` maps back to `quantized_weight()`."""
-        if self.cfg.scheme == "kquant":
-            return (kquant.codes(self.weight, self.cfg, **self.quant_parameters()) - self.cfg.qmin).to(torch.uint8)
-        w = self.weight.float().reshape(self.out_features, -1, self.group_size)
-        s = self._scale()
-        if self.cfg.scheme == "int":
-            z = _zero_point(self.zero, self.cfg.zero_domain).unsqueeze(-1)
-            r = torch.round((w - z) / s) if self.cfg.zero_domain == "float" else torch.round(w / s) + z
-            q = torch.clamp(r, self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
-        else:
-            _, q = _lut_lookup(w / s, quant_init.snap_fp16(self.codebook))
-        return q.reshape(self.out_features, self.in_features).to(torch.uint8)
+        return weight_codes(self.weight, self.cfg, self.group_size, **self.quant_parameters())
 
     @torch.no_grad()
     def dequantize_codes(self, codes: torch.Tensor) -> torch.Tensor:
@@ -323,34 +206,6 @@ class FakeQuantLinear(nn.Linear):
         cfg = self.cfg
         return (f"{super().extra_repr()}, scheme={cfg.scheme}, bits={cfg.bits}, group_size={self.group_size}, "
                 f"symmetric={cfg.symmetric}, scale_rank={cfg.scale_rank}")
-
-
-def dequantize(codes: torch.Tensor, cfg: QuantConfig, group_size: int, scale: torch.Tensor | None = None,
-               zero: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
-               scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
-               **kquant_parameters: torch.Tensor) -> torch.Tensor:
-    """Rebuild Wq from integer codes with the same arithmetic as the training-time forward (bit-exact).
-
-    Args:
-        codes: [out, in] integers in [0, 2^bits); scale: [out, groups]; zero: [out, groups] (int scheme);
-            codebook: [1, 1, K] or [out, groups, K] (lut); scale_a/scale_b: low-rank factors or None;
-            kquant_parameters: kquant.PARAMETERS by name (scheme kquant; scale unused).
-    Returns:
-        [out, in] float32.
-    """
-    if cfg.scheme == "kquant":
-        return kquant.dequantize(codes.float() + cfg.qmin, cfg, **kquant_parameters)
-    f32 = [None if t is None else t.float() for t in (scale, zero, codebook, scale_a, scale_b)]
-    scale, zero, codebook, scale_a, scale_b = f32
-    out_features, in_features = codes.shape
-    s = effective_scale(scale, scale_a, scale_b, group_size)
-    c = codes.long().reshape(out_features, -1, group_size)
-    if cfg.scheme == "int":
-        z = _zero_point(zero, cfg.zero_domain).unsqueeze(-1)
-        wq = (c + cfg.qmin).float() * s + z if cfg.zero_domain == "float" else ((c + cfg.qmin).float() - z) * s
-    else:
-        wq = codebook.expand(out_features, c.shape[1], -1).gather(-1, c) * s
-    return wq.reshape(out_features, in_features)
 
 
 @contextlib.contextmanager
@@ -412,46 +267,16 @@ def quantize_(model: nn.Module, config: QuantConfig | str,
     return model
 
 
-PARAMETER_GROUPS = ("weights", "scales", "zeros", "codebooks", "lora")
-
-
-def parameter_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    """Parameters by role, for the trainer to choose what trains (and give each group its own lr).
-
-    Returns:
-        {"weights": latent weights of quantised linears, "scales": scales and low-rank scale factors,
-         "zeros": zero points, "codebooks": LUT values, "lora": PEFT adapter parameters}.
-    """
-    groups: dict[str, list[nn.Parameter]] = {k: [] for k in PARAMETER_GROUPS}
-    role = {"scale": "scales", "scale_a": "scales", "scale_b": "scales", "zero": "zeros", "codebook": "codebooks",
-            "super_scale": "scales", "sub_scale": "scales", "super_min": "zeros", "sub_min": "zeros"}
-    for module in model.modules():
-        if isinstance(module, FakeQuantLinear):
-            groups["weights"].append(module.weight)
-            for name, p in module.quant_parameters().items():
-                groups[role[name]].append(p)
-    groups["lora"] = [p for n, p in model.named_parameters() if "lora_" in n]
-    return groups
-
-
-def set_trainable_(model: nn.Module, groups: Iterable[str]) -> list[nn.Parameter]:
-    """Make exactly the named parameter groups trainable (others in those roles frozen); returns them.
-
-    Raises:
-        ValueError: an unknown group name.
-    """
-    groups = set(groups)
-    unknown = groups - set(PARAMETER_GROUPS)
-    if unknown:
-        raise ValueError(f"unknown parameter group(s) {sorted(unknown)}; choose from {', '.join(PARAMETER_GROUPS)}")
-    trainable = []
-    for name, params in parameter_groups(model).items():
-        for p in params:
-            p.requires_grad_(name in groups)
-        trainable += params if name in groups else []
-    return trainable
+def quantised_layers(model: nn.Module) -> dict[str, FakeQuantLinear]:
+    """Every FakeQuantLinear of `model` by its full name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
 
 
 def quantizer_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Every quantiser parameter of every FakeQuantLinear (scales, zeros, codebooks, low-rank factors)."""
     return [p for m in model.modules() if isinstance(m, FakeQuantLinear) for p in m.quant_parameters().values()]
+
+
+def latent_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The latent full-precision weight of every fake-quantised linear."""
+    return [m.weight for m in model.modules() if isinstance(m, FakeQuantLinear)]

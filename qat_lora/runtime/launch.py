@@ -1,21 +1,12 @@
-"""Starting the ranks of a run: one process, N local processes, torch_xla replicas or one SPMD process.
+"""Starting processes, whatever they run: N local ranks with torchrun's environment (`launch_local`: a rank that
+fails stops the others, and the one to blame is named), how a group of ranks ended (`RankExits`), which TPU chips
+a process and its replicas see (`--num-chips`: `select_tpu_chips`, `tpu_visibility_env`), and the one SPMD
+backend over a host's chips (`spmd_backend`).
 
-`run(cfg)` is what `qat-lora train` calls; `build_cache_on_chips(cfg)` what `qat-lora build-cache` calls.
-`--num-chips 0` (the default) means every TPU chip of the host, one device elsewhere; on a TPU host with more
-chips than asked for, the PJRT visibility variables limit the run to the first N (`tpu_visibility_env`).
-With one chip (or inside a rank a launcher already started: WORLD_SIZE is set) it trains in this process;
-otherwise (DESIGN §6):
-- CUDA / CPU: `launch_local` starts N processes with torchrun's environment (NCCL / gloo) and waits for them;
-  a rank that fails stops the others.
-- TPU: `torch_xla.launch` replicas (xm.reduce_gradients + a plain optimizer.step), or one SPMD process over
-  the chips with `--parallel spmd` (the batch sharded) or `--parallel fsdp` (the frozen parameters too:
-  sharding.py; also on XLA:CPU).
-- XLA on a CPU host: one SPMD process over CPU_NUM_DEVICES devices (its spawned replicas cannot run
-  collectives: pytorch/xla #5005, #9089).
-
-    qat-lora train --num-chips 2 --device cpu --model M --cache caches/kd --out runs/x
-    qat-lora train --num-chips 4 --device tpu --model M --cache caches/kd --out runs/x
-    torchrun --nproc-per-node 8 -m qat_lora train --device cuda --model M --cache caches/kd --out runs/x
+What starts a training run's ranks is train/launch.py (`qat-lora train`); what builds a cache on N chips,
+cache/launch.py (`qat-lora build-cache`). `--num-chips 0` (the default) means every TPU chip of the host, one
+device elsewhere; on a TPU host with more chips than asked for, the PJRT visibility variables limit the run to
+the first N.
 """
 from __future__ import annotations
 
@@ -24,229 +15,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from qat_lora.runtime import device as dev
-from qat_lora.train.config import TrainConfig, to_argv
-from qat_lora.cache.config import CacheBuildConfig
-from qat_lora.runtime.files import FolderLock
-
-
-def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:
-    """Train `cfg` on `cfg.num_chips` devices; returns the exit code (0, or the first failing rank's).
-
-    Raises:
-        ValueError: SPMD without XLA, or XLA replicas on a host without a TPU.
-    """
-    from qat_lora.train.trainer import train
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        train(cfg, log)
-        return 0
-    cfg = replace(cfg, num_chips=chips_to_use(cfg.num_chips, cfg.device))
-    xla = dev.wants_xla(cfg.device)
-    parallel = cfg.parallel
-    if xla and dev.tpu_present():  # before any runtime starts: the chips this run may see
-        select_tpu_chips(cfg.num_chips, per_process=cfg.num_chips > 1 and parallel in ("auto", "processes"), log=log)
-    if cfg.num_chips == 1 and parallel != "fsdp":
-        train(cfg, log)
-        return 0
-    one_process = ("spmd", "fsdp")
-    if parallel in one_process and not xla:
-        raise ValueError(f"--parallel {parallel} with --device {cfg.device}: SPMD needs --device xla or tpu; use "
-                         "--parallel processes")
-    if xla and not dev.tpu_present() and parallel not in one_process:
-        if parallel == "processes":
-            raise ValueError(f"--device {cfg.device} --num-chips {cfg.num_chips} --parallel processes: XLA:CPU "
-                             "replicas cannot run collectives (DESIGN §6); use --parallel spmd, a TPU, or --device cpu")
-        log(f"XLA on a CPU host: its replicas cannot run collectives (DESIGN §6); training one SPMD process "
-            f"over {cfg.num_chips} devices instead")
-        parallel = "spmd"
-    if parallel in one_process:
-        return _train_spmd(cfg, fsdp=parallel == "fsdp")
-    if xla:
-        import torch_xla
-
-        log(f"starting torch_xla replicas for {cfg.num_chips} chips")
-        torch_xla.launch(_xla_rank, args=(cfg,))
-        return 0
-    check_local_devices(cfg)
-    log(f"starting {cfg.num_chips} local ranks ({'NCCL' if cfg.device == 'cuda' else 'gloo'})")
-    cmd = [sys.executable, "-m", "qat_lora", "train", *to_argv(cfg)]
-    return launch_local(cmd, cfg.num_chips, log=log).exit_code()
-
-
-def check_local_devices(cfg: TrainConfig) -> None:
-    """Refuse more local ranks than this host has GPUs (CUDA) or cores (CPU), before any rank starts: more
-    would share a GPU or a core each, and run out of memory or many times slower instead of failing."""
-    if cfg.device == "cuda" or (cfg.device == "auto" and dev.resolve_device("auto").type == "cuda"):
-        import torch
-
-        have, what = torch.cuda.device_count(), "GPUs"
-    else:
-        have, what = os.cpu_count() or 1, "CPU cores"
-    if cfg.num_chips > have:
-        raise ValueError(f"--num-chips {cfg.num_chips}: this host has {have} {what}; pass --num-chips {have} or "
-                         "fewer")
-
-
-def _xla_rank(index: int, cfg: TrainConfig) -> None:
-    """One torch_xla replica: train with the XLA backend."""
-    from qat_lora.runtime.distributed import XlaBackend
-    from qat_lora.train.trainer import train
-
-    backend = XlaBackend()
-    if backend.world_size != cfg.num_chips:  # torch_xla.launch starts one replica per visible chip
-        raise ValueError(f"--num-chips {cfg.num_chips}: torch_xla started {backend.world_size} replicas (one per "
-                         f"visible chip); pass --num-chips {backend.world_size}, or limit the chips with "
-                         "TPU_VISIBLE_CHIPS / TPU_PROCESS_BOUNDS")
-    train(cfg, backend=backend)
-
-
-def spmd_backend(num_chips: int, fsdp: bool):
-    """The one SPMD process over `num_chips` XLA devices (on the host CPU: CPU_NUM_DEVICES of them) that
-    `--parallel spmd` trains and builds caches with; with `fsdp` the frozen parameters are sharded over them
-    too (sharding.FsdpBackend). Call before any XLA work."""
-    from qat_lora.runtime.distributed import SpmdBackend
-    from qat_lora.runtime.sharding import FsdpBackend
-
-    os.environ.setdefault("PJRT_DEVICE", "TPU" if dev.tpu_present() else "CPU")
-    if os.environ["PJRT_DEVICE"].upper() == "CPU":
-        os.environ["CPU_NUM_DEVICES"] = str(num_chips)
-    backend = FsdpBackend() if fsdp else SpmdBackend()
-    if backend.data_parallel != num_chips:
-        raise ValueError(f"--num-chips {num_chips}: this host has {backend.data_parallel} XLA devices")
-    return backend
-
-
-def _train_spmd(cfg: TrainConfig, fsdp: bool = False) -> int:
-    from qat_lora.train.trainer import train
-
-    train(cfg, backend=spmd_backend(cfg.num_chips, fsdp))
-    return 0
-
-
-def chip_rank(host_rank: int, host_world: int, index: int, chips: int) -> tuple[int, int]:
-    """(rank, world size) of the builder on chip `index` of host `host_rank` of `host_world`, `chips` per host:
-    the hosts split the sequences (--rank / --world-size) and each host's chips split its share."""
-    return host_rank * chips + index, host_world * chips
-
-
-def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = print) -> Path:
-    """`qat-lora build-cache`: one builder per chip of this host, then (once every rank is done) the merge.
-
-    The builders share nothing and run no collective (XLA:CPU replicas could not: DESIGN §6): each writes its
-    rank's shards and partial manifest; this process merges them after all have ended. On a TPU host they are
-    torch_xla.launch replicas (rank = global ordinal); elsewhere one process each (gloo-free: RANK/WORLD_SIZE
-    only), which is also how XLA:CPU runs them. Returns the manifest (or, on one host of several, its folder).
-
-    This process holds the lock on --out (files.FolderLock) for the whole build, merge included; a builder that
-    a launcher started (WORLD_SIZE > 1: ours, whose lock it cannot take again, or torchrun's, whose hosts may
-    share one folder) takes none, nor does one host's share of a --world-size > 1 build (the hosts may share it).
-
-    Raises:
-        ValueError: a builder failed (its own error was printed above), a bad --num-chips, or another command
-            writing --out.
-        SystemExit: 128 + the signal after SIGTERM / SIGINT (--resume continues the build).
-    """
-    from qat_lora.cache.builder import build_cache, check_out_path
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return build_cache(replace(cfg, num_chips=1), log)
-    check_out_path(cfg)  # before the lock, which would create the folder inside an input
-    if cfg.world_size > 1:  # hosts of one build may share the folder (each writes only its own ranks' files)
-        return _build_locked(cfg, log)
-    with FolderLock(cfg.out, "--out"):
-        return _build_locked(cfg, log)
-
-
-def _build_locked(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
-    from qat_lora.cache.builder import build_cache, clear_debris, prepare_out
-
-    chips = chips_to_use(cfg.num_chips, cfg.device)
-    if cfg.parallel in ("spmd", "fsdp"):
-        if not dev.wants_xla(cfg.device):
-            raise ValueError(f"--parallel {cfg.parallel} with --device {cfg.device}: SPMD needs --device xla or tpu; "
-                             "use --parallel processes")
-        if dev.tpu_present():
-            select_tpu_chips(chips, per_process=False, log=log)
-        backend = spmd_backend(chips, fsdp=cfg.parallel == "fsdp")
-        if backend.world_size > 1:  # the build places each batch as one host's whole: it cannot feed a pod's mesh
-            raise ValueError(f"--parallel {cfg.parallel} on a {backend.world_size}-host slice: build with --parallel "
-                             "processes on every host (each takes its share of the ranks), or on one host's chips")
-        built = build_cache(cfg, log, backend=backend)
-        return built if cfg.world_size == 1 else _merge_when_complete(cfg, log)
-    if chips == 1:
-        built = build_cache(replace(cfg, num_chips=1), log)
-        if cfg.world_size == 1:
-            return built
-        return _merge_when_complete(cfg, log)  # one host's share of a --world-size build: the last one merges
-    # Once, here, before any builder starts: a builder clearing the folder (--overwrite) or every rank's debris of
-    # a killed build would delete the files of those started before it. Other hosts may be writing a shared
-    # folder: there each builder clears only its own rank's debris.
-    if cfg.overwrite:
-        prepare_out(cfg)
-    elif cfg.world_size == 1:
-        clear_debris(cfg, every_rank=True)
-    one = replace(cfg, num_chips=1, overwrite=False)
-    if dev.wants_xla(cfg.device) and dev.tpu_present():
-        import torch_xla
-
-        select_tpu_chips(chips, per_process=True, log=log)
-        log(f"building on {chips} TPU chips (torch_xla replicas)")
-        torch_xla.launch(_build_rank, args=(one, chips))
-    else:
-        _build_local(one, chips, log)
-    return _merge_when_complete(cfg, log)
-
-
-def _merge_when_complete(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
-    """The merged manifest once every rank of the build is in --out; else its folder, saying what is missing."""
-    from qat_lora.cache.builder import merge_manifests, unfinished_ranks
-
-    missing = unfinished_ranks(Path(cfg.out))
-    if missing:
-        log(f"ranks {missing[0]}..{missing[-1]} of this build are not done (other hosts): once they are, run "
-            f"`qat-lora cache merge {cfg.out}`")
-        return Path(cfg.out)
-    return merge_manifests(cfg.out, log)
-
-
-def _build_local(cfg: CacheBuildConfig, chips: int, log: Callable[[str], None]) -> None:
-    """`chips` builder processes (launch_local). A stop signal forwarded to them ends this process with 128 + the
-    signal once they have stopped; a builder that failed or was killed from outside is a failure."""
-    if dev.wants_xla(cfg.device):
-        # XLA:CPU: torch_xla.launch would run the builders as threads of this process, which race on
-        # transformers' lazy imports (measured: ImportError) and share one set of counters; processes do not.
-        os.environ.update(PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), CPU_NUM_DEVICES="1")
-    log(f"building on {chips} local processes")
-    exits = launch_local([sys.executable, "-m", "qat_lora", "build-cache", *to_argv(cfg)], chips, log=log)
-    code = exits.exit_code()
-    if exits.failed:
-        raise ValueError(f"--num-chips {chips}: a builder exited with {code} (its error is above); rerun with "
-                         "--resume to continue after the shards already written")
-    if any(exits.codes):  # not failed: every builder that did not finish stopped cleanly (STOP_CODES)
-        log(f"stopped by {signal.Signals(code - 128).name}; rerun the same command with --resume to continue after "
-            "the shards already written")
-        raise SystemExit(code)
-
-
-def _build_rank(index: int, cfg: CacheBuildConfig, chips: int) -> None:
-    """One torch_xla replica of a cache build: its rank's shards and partial manifest, no collective."""
-    import torch_xla.runtime as xr
-
-    from qat_lora.cache.builder import build_cache
-
-    if xr.world_size() > chips:  # a multi-host slice: the runtime's ordinals already span the hosts
-        rank, world = xr.global_ordinal(), xr.world_size()
-    else:
-        rank, world = chip_rank(cfg.rank, cfg.world_size, index, chips)
-    build_cache(replace(cfg, rank=rank, world_size=world), log=print if rank == 0 else (lambda _: None))
+from qat_lora.runtime.xla import tpu_chip_count
 
 
 # The chip mesh of a TPU host slice of N chips (x, y, z): what libtpu's *_BOUNDS variables describe.
@@ -278,13 +54,6 @@ def tpu_visibility_env(num_chips: int, host_chips: int, per_process: bool) -> di
             "TPU_CHIPS_PER_PROCESS_BOUNDS": _CHIP_BOUNDS[num_chips], "TPU_PROCESS_BOUNDS": "1,1,1"}
 
 
-def tpu_chip_count() -> int:
-    """TPU chips attached to this host (a PCI scan: no runtime starts, no chip is claimed)."""
-    from torch_xla._internal import tpu
-
-    return tpu.num_available_chips()
-
-
 def chips_to_use(requested: int, device: str) -> int:
     """--num-chips as a count: 0 means every TPU chip of this host, and one device anywhere else."""
     if requested:
@@ -306,6 +75,22 @@ def select_tpu_chips(num_chips: int, per_process: bool, log: Callable[[str], Non
     if env:
         log("TPU chips: " + " ".join(f"{k}={v}" for k, v in env.items()))
         os.environ.update(env)
+
+
+def spmd_backend(num_chips: int, fsdp: bool):
+    """The one SPMD process over `num_chips` XLA devices (on the host CPU: CPU_NUM_DEVICES of them) that
+    `--parallel spmd` trains and builds caches with; with `fsdp` the frozen parameters are sharded over them
+    too (sharding.FsdpBackend). Call before any XLA work."""
+    from qat_lora.runtime.distributed import SpmdBackend
+    from qat_lora.runtime.sharding import FsdpBackend
+
+    os.environ.setdefault("PJRT_DEVICE", "TPU" if dev.tpu_present() else "CPU")
+    if os.environ["PJRT_DEVICE"].upper() == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(num_chips)
+    backend = FsdpBackend() if fsdp else SpmdBackend()
+    if backend.data_parallel != num_chips:
+        raise ValueError(f"--num-chips {num_chips}: this host has {backend.data_parallel} XLA devices")
+    return backend
 
 
 def free_port() -> int:

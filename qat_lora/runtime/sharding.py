@@ -18,6 +18,7 @@ from typing import Iterable
 import torch
 
 from qat_lora.runtime import device as dev
+from qat_lora.runtime import xla
 from qat_lora.runtime.distributed import SpmdBackend
 
 
@@ -31,9 +32,7 @@ def shard_dim(shape: tuple[int, ...], devices: int) -> int | None:
 def shard_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     """The shape one device holds of an XLA `tensor`, read from its sharding spec (no transfer): the whole
     shape when replicated or unannotated, else each dimension divided by its tile count (rounded up)."""
-    import torch_xla
-
-    spec = torch_xla._XLAC._get_xla_sharding_spec(tensor)  # e.g. "{devices=[4,1]0,1,2,3}", "{replicated}", ""
+    spec = xla.sharding_spec(tensor)  # e.g. "{devices=[4,1]0,1,2,3}", "{replicated}", ""
     tiles = re.search(r"devices=\[([\d,]+)\]", spec)
     if tiles is None:
         return tuple(tensor.shape)
@@ -44,11 +43,9 @@ def shard_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 def held_bytes(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     """{device: bytes} that each XLA device holds of `tensors`, read from the devices' own buffers (a copy of each
     shard comes to the host: for tests and benchmarks, not for a hot path)."""
-    import torch_xla
-
     held: dict[str, int] = {}
     tensors = list(tensors)
-    for pieces in torch_xla._XLAC._get_local_shards(tensors):
+    for pieces in xla.local_shards(tensors):
         for piece, device in pieces:
             held[device] = held.get(device, 0) + piece.numel() * piece.element_size()
     return held

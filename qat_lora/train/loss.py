@@ -147,20 +147,11 @@ def _full_soft_ce(s_full: torch.Tensor, teacher_logits: torch.Tensor,
     return _bucket_soft_ce(log_q, log_q.exp(), s_full, temperature)
 
 
-def sampled_soft_ce(logits: torch.Tensor, sample_ids: torch.Tensor,
-                    sample_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RS-KD soft cross-entropy -sum_i (c_i / N) s_i and the same minus the entropy of c / N.
-
-    Args:
-        logits: [..., V]; sample_ids: [..., S] int64; sample_weights: [..., S] (c_i / N, 0 in unused slots).
-    Returns:
-        soft_ce, kl: [...]; the expectation of soft_ce over the draws is the full soft cross-entropy.
-    """
-    return _sampled_soft_ce(student_logprobs(logits), sample_ids, sample_weights)
-
-
 def _sampled_soft_ce(s_full: torch.Tensor, sample_ids: torch.Tensor,
                      sample_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RS-KD soft cross-entropy -sum_i (c_i / N) s_i and the same minus the entropy of c / N, from the student's
+    log-probs s_full [..., V], sample_ids [..., S] and sample_weights [..., S] (c_i / N, 0 in unused slots); the
+    expectation of soft_ce over the draws is the full soft cross-entropy."""
     s = torch.gather(s_full, -1, sample_ids)
     w = sample_weights.to(s.dtype)
     soft_ce = -(w * s).sum(-1)
@@ -178,11 +169,6 @@ def next_token_labels(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     label_mask = torch.zeros_like(mask, dtype=torch.float32)
     label_mask[:, :-1] = mask[:, :-1].float() * mask[:, 1:].float()
     return labels, label_mask
-
-
-def hard_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-position cross-entropy -log_softmax(logits)[label], in fp32. logits [..., V], labels [...] -> [...]."""
-    return _nll(student_logprobs(logits), labels)
 
 
 def _nll(s_full: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from qat_lora.data import text as data
 
 from qat_lora.runtime import device as dev
+from qat_lora.runtime import precision
 
 from qat_lora.data import models
 from qat_lora.cache.reader import KDCache
@@ -28,11 +29,11 @@ def _summed(model, batches, loss_cfg: KDLossConfig, keys: tuple[str, ...], devic
     the end: a float64 accumulator on the device would be fp32 on a TPU (which stores f64 as f32), where
     counts past 2^24 tokens stop being exact; a read per batch would stall the device every batch.
     """
-    chunk_size = dev.default_loss_chunk_size(device) if chunk_size is None or chunk_size < 0 else chunk_size
+    chunk_size = precision.default_loss_chunk_size(device) if chunk_size is None or chunk_size < 0 else chunk_size
     per_batch = []
     with dev.device_batches(batches, device) as on_device:
         for batch in on_device:
-            with dev.autocast(device, amp_dtype):  # as in training, so the eval loss is the training loss
+            with precision.autocast(device, amp_dtype):  # as in training, so the eval loss is the training loss
                 parts = forward_loss(model, batch, loss_cfg, chunk_size)
             per_batch.append(torch.stack([parts[k].float() for k in keys]))
             dev.sync(device)
@@ -53,7 +54,7 @@ def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int 
     """exp(mean next-token NLL) over non-overlapping windows of `seq_len` tokens of the given text.
 
     `decoding`: how the text files are decoded; `progress`: a bar on stderr, for commands a user watches;
-    `amp_dtype`: the autocast dtype (training's, `device.autocast_dtype`); `chunk_size`: positions per lm_head
+    `amp_dtype`: the autocast dtype (training's, `precision.autocast_dtype`); `chunk_size`: positions per lm_head
     chunk (None: the device's default); none of them changes which tokens count.
     """
     limit = models.max_positions(model)

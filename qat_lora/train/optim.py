@@ -6,8 +6,7 @@ import math
 import torch
 
 from qat_lora.train.config import TrainConfig
-from qat_lora.quant.fake_quant import quantizer_parameters
-from qat_lora.train.student import latent_weights
+from qat_lora.quant.fake_quant import latent_weights, quantizer_parameters
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:

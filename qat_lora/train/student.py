@@ -6,7 +6,8 @@
     save_artifacts(model, "recovery-lora", run_dir)     # adapter/ (PEFT files) and/or quantizer.safetensors
     model = load_student(spec, adapter="run/adapter")   # what eval and export use
 
-Train, eval, export, the demo and the benchmarks all build students here, never through the trainer.
+Train, eval, export, the demo and the benchmarks all build students here, never through the trainer. The
+quantiser's own file (quantizer.safetensors) is written and read by quant/state.py; the adapter's here.
 """
 from __future__ import annotations
 
@@ -17,22 +18,19 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from qat_lora.runtime import device as dev
 
 from qat_lora.data import models
 from qat_lora.train.config import TRAIN_PRESETS, StudentSpec
-from qat_lora.runtime.files import apply_umask, atomic_write_json, first_line, owner_stamp, read_record, save_safetensors
+from qat_lora.runtime.files import apply_umask, atomic_write_json, first_line, owner_stamp, read_record
 from qat_lora.train.lora import add_recovery_lora_, load_recovery_lora
-from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset, quantize_, quantizer_parameters
+from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset, latent_weights, quantize_, quantizer_parameters
+from qat_lora.quant.state import (MODEL_SIGNATURE_KEY, load_quantizer_state_, quantised_weight_count,
+                                  save_quantizer_state)
 from qat_lora.runtime.runs import ADAPTER_DIR, QUANTIZER_FILE
 
-CODES_KEY = "codes"  # a quantiser state's integer codes of a layer whose weights moved
-# The base model a quantiser or adapter was made from (models.weights_signature): in the quantiser's safetensors
-# metadata, and in a small JSON beside the adapter's PEFT files (PEFT ignores it). Files without it load unchecked.
-MODEL_SIGNATURE_KEY = "qat_lora.model_signature"
-ADAPTER_RECORD = "qat_lora.json"
+ADAPTER_RECORD = "qat_lora.json"  # beside the adapter's PEFT files: the base model's signature (quant.state)
 
 
 def _recorded_signature(flag: str, path: str | Path) -> str | None:
@@ -155,11 +153,6 @@ def set_storage_dtype_(model: torch.nn.Module, storage: str) -> torch.nn.Module:
     return model
 
 
-def latent_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The latent full-precision weight of every fake-quantised linear."""
-    return [m.weight for m in model.modules() if isinstance(m, FakeQuantLinear)]
-
-
 def enable_activation_checkpointing_(model: torch.nn.Module, device: torch.device) -> None:
     """Recompute each decoder layer in backward with the checkpoint that really recomputes on `device`
     (XLA would merge a plain recomputation with the forward; DESIGN §6)."""
@@ -171,53 +164,6 @@ def enable_activation_checkpointing_(model: torch.nn.Module, device: torch.devic
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Trainable parameters by name, in module order (the optimizer's and the checkpoint's order)."""
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def quantizer_state_dict(model: torch.nn.Module, codes: bool = False) -> dict[str, torch.Tensor]:
-    """Quantiser parameters named as in the plain quantised student (`model.layers.0.mlp.up_proj.scale`),
-    whether or not `model` is wrapped by PEFT; with `codes`, also each layer's integer codes
-    (`....codes`, uint8 [out, in]): the state of a student whose weights moved (GPTQ, weight-qat), on the grid."""
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, FakeQuantLinear):
-            base = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            out.update({f"{base}.{key}": p for key, p in module.quant_parameters().items()})
-            if codes:
-                out[f"{base}.{CODES_KEY}"] = module.codes()
-    return out
-
-
-@torch.no_grad()
-def load_quantizer_state_(model: torch.nn.Module, path: str | Path) -> None:
-    """Copy a run's `quantizer.safetensors` into a quantised student built with the same --quant.
-
-    Raises:
-        ValueError: a tensor is missing or has another shape (the file belongs to another model or preset).
-    """
-    try:
-        saved = load_file(str(path))
-    except SafetensorError as e:
-        raise ValueError(f"--quantizer {path}: damaged or truncated ({first_line(e)}); use the run's intact copy or "
-                         "rerun the stage that wrote it") from None
-    params = quantizer_state_dict(model)
-    missing = sorted(set(params) - set(saved))
-    if missing:
-        raise ValueError(f"{path}: no value for {missing[0]} ({len(missing)} missing); build the student with the "
-                         "run's --model and --quant")
-    for name, p in params.items():
-        if saved[name].shape != p.shape:
-            raise ValueError(f"{path}: {name} has shape {tuple(saved[name].shape)}, the student's is "
-                             f"{tuple(p.shape)}; build the student with the run's --model and --quant")
-        p.copy_(saved[name].to(p.device, p.dtype))
-    for name, module in model.named_modules():  # moved weights: the latent weight becomes its on-grid value
-        key = f"{name.removeprefix('base_model.model.').replace('.base_layer', '')}.{CODES_KEY}"
-        if isinstance(module, FakeQuantLinear) and key in saved:
-            codes = saved[key]
-            if codes.shape != module.weight.shape:
-                raise ValueError(f"{path}: {key} has shape {tuple(codes.shape)}, the student's weight is "
-                                 f"{tuple(module.weight.shape)}; build the student with the run's --model")
-            module.weight.copy_(module.dequantize_codes(codes.to(module.weight.device)))
-            module.hold_codes = True  # on the grid, LSQ's scale gradient is 0: hold the codes instead (quant.py)
 
 
 def save_adapter(model, path: Path, model_signature: str | None = None) -> None:
@@ -234,19 +180,6 @@ def save_adapter(model, path: Path, model_signature: str | None = None) -> None:
     apply_umask(tmp)  # PEFT saves through safetensors, whose files are 0600 whatever the umask
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
-
-
-def has_codes(path: str | Path) -> bool:
-    """Whether a quantiser state file carries codes (its student's weights moved from the base model's)."""
-    from safetensors import safe_open
-
-    if not path:
-        return False
-    try:
-        with safe_open(str(path), "pt") as f:
-            return any(key.endswith("." + CODES_KEY) for key in f.keys())
-    except SafetensorError as e:
-        raise ValueError(f"--quantizer {path}: damaged or truncated ({first_line(e)})") from None
 
 
 def save_artifacts(model, preset: str, folder: Path, codes: bool = False,
@@ -266,11 +199,8 @@ def save_artifacts(model, preset: str, folder: Path, codes: bool = False,
     return paths
 
 
-def save_quantizer_state(model: torch.nn.Module, path: Path, codes: bool = False,
-                         model_signature: str | None = None) -> None:
-    """Write `quantizer_state_dict(model, codes)` to `path` atomically (temp name, then rename), recording the
-    signature of the base model it belongs to."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = dev.state_dict_to_cpu(quantizer_state_dict(model, codes))  # one transfer from an XLA device
-    save_safetensors({k: v.contiguous() for k, v in state.items()}, path,
-                     {MODEL_SIGNATURE_KEY: model_signature} if model_signature else None)
+def adapter_bits_per_weight(model: torch.nn.Module) -> float:
+    """What an unmerged LoRA adapter adds to the base's bits per weight (quant.state.bits_per_weight) when it ships
+    beside the low-bit base: its fp16 entries per quantised weight (0 without one). Rank r on an m x n layer costs
+    16 r (m + n) / (m n) bits."""
+    return 16 * sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / quantised_weight_count(model)

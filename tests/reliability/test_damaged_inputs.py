@@ -132,7 +132,8 @@ def test_truncated_adapter_is_one_line(run_w2, teacher_dir, corpus_dir, tmp_path
 def loose_quantizer(tmp_path_factory, teacher_dir) -> Path:
     """A w2g32 quantizer.safetensors copied out of its run (nothing records its preset any more)."""
     from qat_lora.train.config import StudentSpec
-    from qat_lora.train.student import build_student, save_quantizer_state
+    from qat_lora.quant.state import save_quantizer_state
+    from qat_lora.train.student import build_student
 
     path = tmp_path_factory.mktemp("loose") / "quantizer.safetensors"
     save_quantizer_state(build_student(StudentSpec(str(teacher_dir), "w2g32")), path)

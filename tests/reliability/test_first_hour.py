@@ -16,7 +16,7 @@ import qat_lora.train.trainer as train_module
 from qat_lora import __version__
 from qat_lora.data.assets import Assets
 from qat_lora.commands.cli import main
-from qat_lora.export.config import DemoConfig
+from qat_lora.commands.config import DemoConfig
 from qat_lora.commands.demo import run_demo
 
 ROOT = Path(__file__).resolve().parents[2]

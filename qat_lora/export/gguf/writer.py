@@ -32,7 +32,8 @@ from qat_lora.export.gguf.arch import (  # noqa: F401
     GGUF_ARCHITECTURES, GGUFFamily, _gguf, add_metadata, full_precision, gguf_architecture, tensor_naming)
 from qat_lora.export.gguf.kquant import kquant_blocks
 from qat_lora.export.gguf.vocab import add_tokenizer, pre_tokenizer_name  # noqa: F401
-from qat_lora.quant.fake_quant import FakeQuantLinear
+from qat_lora.export.tensors import full_precision_tensors
+from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.inits import snap_fp16
 
 GGUF_DIR, GGUF_FILE = "gguf", "model.gguf"
@@ -128,15 +129,6 @@ def _copy_teacher_metadata(writer, path: str | Path, config) -> None:
         writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if array else None)
 
 
-def _state_tensors(model: nn.Module, layers: dict[str, FakeQuantLinear]) -> dict[str, torch.Tensor]:
-    """Full-precision tensors (everything but the quantised linears' weights and quantisers), the tied head
-    skipped as llama.cpp expects (no output.weight means: reuse token_embd)."""
-    skip = {f"{n}.{k}" for n, layer in layers.items() for k in ("weight", *layer.quant_parameters())}
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    return {k: v for k, v in model.state_dict().items()
-            if k not in skip and not (tied and k.endswith("lm_head.weight"))}
-
-
 def _check(written: np.ndarray, qtype: str, expected: torch.Tensor) -> tuple[bool, float]:
     """Dequantise what was written with gguf's own code: (equal to Wq bit for bit, ||deq - Wq|| / ||Wq||)."""
     gguf = _gguf()
@@ -174,7 +166,7 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
     else:
         add_metadata(writer, config, name)
         add_tokenizer(writer, tokenizer, config.vocab_size)
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+    layers = quantised_layers(model)
     report: dict = {"layers": {}}
     stored_bits = weights = 0  # the quantised linears' bits per weight as stored (Q4_0: 4.5, Q4_K: 4.5, ...)
     for layer_name, layer in layers.items():
@@ -187,8 +179,8 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
         report["layers"][layer_name] = {"type": qtype, "exact": exact, "rel_error": err}
         stored_bits += blocks.nbytes * 8
         weights += layer.weight.numel()
-    for key, tensor in _state_tensors(model, layers).items():
-        x = full_precision(config, key, tensor.detach().float().cpu().numpy())
+    for key, tensor in full_precision_tensors(model, layers).items():  # 1-D F32, matrices F16; a tied head: none
+        x = full_precision(config, key, tensor.float().numpy())
         writer.add_tensor(gguf_name(key), x.astype(np.float32 if x.ndim == 1 else np.float16))
     types = Counter(v["type"] for v in report["layers"].values())
     file_type = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q2_K": "MOSTLY_Q2_K",

@@ -1,0 +1,107 @@
+"""Starting a training run's ranks: one process, N local processes, torch_xla replicas or one SPMD process.
+
+`run(cfg)` is what `qat-lora train` calls. With one chip (or inside a rank a launcher already started:
+WORLD_SIZE is set) it trains in this process; otherwise (DESIGN §6):
+- CUDA / CPU: `launch.launch_local` starts N processes with torchrun's environment (NCCL / gloo) and waits for
+  them; a rank that fails stops the others.
+- TPU: `torch_xla.launch` replicas (xm.reduce_gradients + a plain optimizer.step), or one SPMD process over
+  the chips with `--parallel spmd` (the batch sharded) or `--parallel fsdp` (the frozen parameters too:
+  runtime/sharding.py; also on XLA:CPU).
+- XLA on a CPU host: one SPMD process over CPU_NUM_DEVICES devices (its spawned replicas cannot run
+  collectives: pytorch/xla #5005, #9089).
+
+The generic machinery (local ranks, TPU chip visibility, the SPMD backend) is runtime/launch.py.
+
+    qat-lora train --num-chips 2 --device cpu --model M --cache caches/kd --out runs/x
+    qat-lora train --num-chips 4 --device tpu --model M --cache caches/kd --out runs/x
+    torchrun --nproc-per-node 8 -m qat_lora train --device cuda --model M --cache caches/kd --out runs/x
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from typing import Callable
+
+from qat_lora.runtime import device as dev
+from qat_lora.runtime.launch import chips_to_use, launch_local, select_tpu_chips, spmd_backend
+from qat_lora.train.config import TrainConfig
+from qat_lora.runtime.options import to_argv
+
+
+def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:
+    """Train `cfg` on `cfg.num_chips` devices; returns the exit code (0, or the first failing rank's).
+
+    Raises:
+        ValueError: SPMD without XLA, or XLA replicas on a host without a TPU.
+    """
+    from qat_lora.train.trainer import train
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        train(cfg, log)
+        return 0
+    cfg = replace(cfg, num_chips=chips_to_use(cfg.num_chips, cfg.device))
+    xla = dev.wants_xla(cfg.device)
+    parallel = cfg.parallel
+    if xla and dev.tpu_present():  # before any runtime starts: the chips this run may see
+        select_tpu_chips(cfg.num_chips, per_process=cfg.num_chips > 1 and parallel in ("auto", "processes"), log=log)
+    if cfg.num_chips == 1 and parallel != "fsdp":
+        train(cfg, log)
+        return 0
+    one_process = ("spmd", "fsdp")
+    if parallel in one_process and not xla:
+        raise ValueError(f"--parallel {parallel} with --device {cfg.device}: SPMD needs --device xla or tpu; use "
+                         "--parallel processes")
+    if xla and not dev.tpu_present() and parallel not in one_process:
+        if parallel == "processes":
+            raise ValueError(f"--device {cfg.device} --num-chips {cfg.num_chips} --parallel processes: XLA:CPU "
+                             "replicas cannot run collectives (DESIGN §6); use --parallel spmd, a TPU, or --device cpu")
+        log(f"XLA on a CPU host: its replicas cannot run collectives (DESIGN §6); training one SPMD process "
+            f"over {cfg.num_chips} devices instead")
+        parallel = "spmd"
+    if parallel in one_process:
+        return _train_spmd(cfg, fsdp=parallel == "fsdp")
+    if xla:
+        import torch_xla
+
+        log(f"starting torch_xla replicas for {cfg.num_chips} chips")
+        torch_xla.launch(_xla_rank, args=(cfg,))
+        return 0
+    check_local_devices(cfg)
+    log(f"starting {cfg.num_chips} local ranks ({'NCCL' if cfg.device == 'cuda' else 'gloo'})")
+    cmd = [sys.executable, "-m", "qat_lora", "train", *to_argv(cfg)]
+    return launch_local(cmd, cfg.num_chips, log=log).exit_code()
+
+
+def check_local_devices(cfg: TrainConfig) -> None:
+    """Refuse more local ranks than this host has GPUs (CUDA) or cores (CPU), before any rank starts: more
+    would share a GPU or a core each, and run out of memory or many times slower instead of failing."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and dev.resolve_device("auto").type == "cuda"):
+        import torch
+
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = os.cpu_count() or 1, "CPU cores"
+    if cfg.num_chips > have:
+        raise ValueError(f"--num-chips {cfg.num_chips}: this host has {have} {what}; pass --num-chips {have} or "
+                         "fewer")
+
+
+def _xla_rank(index: int, cfg: TrainConfig) -> None:
+    """One torch_xla replica: train with the XLA backend."""
+    from qat_lora.runtime.distributed import XlaBackend
+    from qat_lora.train.trainer import train
+
+    backend = XlaBackend()
+    if backend.world_size != cfg.num_chips:  # torch_xla.launch starts one replica per visible chip
+        raise ValueError(f"--num-chips {cfg.num_chips}: torch_xla started {backend.world_size} replicas (one per "
+                         f"visible chip); pass --num-chips {backend.world_size}, or limit the chips with "
+                         "TPU_VISIBLE_CHIPS / TPU_PROCESS_BOUNDS")
+    train(cfg, backend=backend)
+
+
+def _train_spmd(cfg: TrainConfig, fsdp: bool = False) -> int:
+    from qat_lora.train.trainer import train
+
+    train(cfg, backend=spmd_backend(cfg.num_chips, fsdp))
+    return 0
