@@ -1,13 +1,39 @@
 """qat-lora: recover the quality of low-bit LLMs by knowledge distillation into LoRA adapters.
 
-Pipeline: `build_cache` (teacher top-K targets) -> `quantize_` (fake-quant student) ->
-`add_recovery_lora_` -> `train` -> `evaluate`. Torch_xla is only imported when an XLA device is asked for.
+The stages, in the order data flows (docs/ARCHITECTURE.md): `data` (text and models in) -> `cache` (the
+teacher's targets, once) -> `quant` (`quantize_`: the fake-quantised base) -> `train` (`add_recovery_lora_`, the
+KD trainer) -> `export`; `runtime` under all of them, `commands` (the CLI) above. The names below are the public
+API, each imported from its stage on first use, so `import qat_lora` loads no model code, torch_xla or PEFT.
 """
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from qat_lora.quant.fake_quant import PRESETS, FakeQuantLinear, QuantConfig, get_preset, quantize_  # noqa: E402
-from qat_lora.train.loss import KDLossConfig, kd_loss  # noqa: E402
-from qat_lora.train.lora import add_recovery_lora_  # noqa: E402
+# public name -> the module that defines it
+_PUBLIC = {
+    "load_causal_lm": "qat_lora.data.models", "load_tokenizer": "qat_lora.data.models",
+    "CacheBuildConfig": "qat_lora.cache.config", "build_cache": "qat_lora.cache.builder",
+    "KDCache": "qat_lora.cache.reader",
+    "QuantConfig": "qat_lora.quant.config", "PRESETS": "qat_lora.quant.config", "get_preset": "qat_lora.quant.config",
+    "FakeQuantLinear": "qat_lora.quant.fake_quant", "quantize_": "qat_lora.quant.fake_quant",
+    "add_recovery_lora_": "qat_lora.train.lora", "load_recovery_lora": "qat_lora.train.lora",
+    "KDLossConfig": "qat_lora.train.loss", "kd_loss": "qat_lora.train.loss",
+    "StudentSpec": "qat_lora.train.config", "TrainConfig": "qat_lora.train.config",
+    "build_student": "qat_lora.train.student", "load_student": "qat_lora.train.student",
+}
 
-__all__ = ["__version__", "PRESETS", "FakeQuantLinear", "QuantConfig", "get_preset", "quantize_",
-           "KDLossConfig", "kd_loss", "add_recovery_lora_"]
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'qat_lora' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

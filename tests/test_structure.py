@@ -162,6 +162,7 @@ def test_only_the_cli_reads_argv():
         assert "sys.argv" not in text and "parse_args" not in text and "parse_known_args" not in text, path.name
 
 
+@pytest.mark.xla
 def test_plot_command_loads_neither_trainer_nor_torch_xla(tmp_path):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
@@ -175,6 +176,25 @@ def test_plot_command_loads_neither_trainer_nor_torch_xla(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"code": 0, "loaded": []}
     assert (run / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.xla
+def test_public_api_is_importable_and_lazy():
+    # Every public name resolves to where its stage defines it; importing the package loads none of them.
+    probe = ("import sys, json, qat_lora; before = sorted(m for m in sys.modules if m.startswith(('qat_lora.', "
+             "'torch_xla', 'peft'))); names = {n: getattr(qat_lora, n).__module__ if hasattr(getattr(qat_lora, n), "
+             "'__module__') else None for n in qat_lora.__all__ if n != '__version__'}; "
+             "print(json.dumps({'before': before, 'names': names}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"] == []
+    from qat_lora import _PUBLIC
+
+    for name, module in result["names"].items():
+        assert module in (None, _PUBLIC[name]), f"qat_lora.{name} comes from {module}, not {_PUBLIC[name]}"
+    readme = (ROOT / "README.md").read_text()
+    for line in re.findall(r"^from qat_lora(?:\.[\w.]+)? import .+$", readme, re.M):  # README's Python block runs
+        subprocess.run([sys.executable, "-c", line], check=True, cwd=ROOT)
 
 
 def _flags(command: str) -> set[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import importlib
 import json
 import os
 import sys
@@ -86,69 +87,19 @@ def _build_cache(args: argparse.Namespace) -> None:
     build_cache_on_chips(config_from_args(CacheBuildConfig, args))
 
 
-def _train(args: argparse.Namespace) -> int:
-    from qat_lora.train.config import TrainConfig
-    from qat_lora.train.launch import run
-
-    return run(config_from_args(TrainConfig, args))
-
-
-def _generate_data(args: argparse.Namespace) -> None:
-    from qat_lora.data.config import GenerateDataConfig
-    from qat_lora.data.teacher_text import generate_data
-
-    generate_data(config_from_args(GenerateDataConfig, args))
-
-
-def _quantize(args: argparse.Namespace) -> None:
-    from qat_lora.commands.config import QuantizeConfig
-    from qat_lora.commands.quantize import quantize
-
-    quantize(config_from_args(QuantizeConfig, args))
-
-
-def _recover(args: argparse.Namespace) -> None:
-    from qat_lora.commands.config import RecoverConfig
-    from qat_lora.commands.recover import recover
-
-    recover(config_from_args(RecoverConfig, args))
-
-
-def _eval(args: argparse.Namespace) -> None:
-    from qat_lora.commands.config import EvalConfig
-    from qat_lora.commands.evaluate import evaluate
-
-    evaluate(config_from_args(EvalConfig, args))
-
-
-def _export(args: argparse.Namespace) -> None:
-    from qat_lora.export.config import ExportConfig
-    from qat_lora.export.exporter import export
-
-    export(config_from_args(ExportConfig, args))
+def _run_command(target: str) -> Callable[[argparse.Namespace], int | None]:
+    """The runner of a command whose module `target` ("package.module:function") is imported only when it runs:
+    the parsed flags become the config the function takes (the config class is set on args by build_parser)."""
+    def run(args: argparse.Namespace) -> int | None:
+        module, function = target.split(":")
+        return getattr(importlib.import_module(module), function)(config_from_args(args.config_class, args))
+    return run
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from qat_lora.commands.config import GenerateConfig
-    from qat_lora.commands.generate import generate
-
     if not args.prompt:
         raise ValueError("--prompt is required: the message to reply to (or use `qat-lora chat`)")
-    generate(config_from_args(GenerateConfig, args))
-
-
-def _chat(args: argparse.Namespace) -> None:
-    from qat_lora.commands.config import GenerateConfig
-    from qat_lora.commands.generate import chat
-
-    chat(config_from_args(GenerateConfig, args))
-
-
-def _demo(args: argparse.Namespace) -> None:
-    from qat_lora.commands.config import DemoConfig
-    from qat_lora.commands.demo import run_demo
-
-    run_demo(config_from_args(DemoConfig, args))
+    _run_command("qat_lora.commands.generate:generate")(args)
 
 
 def _plot(args: argparse.Namespace) -> None:
@@ -219,20 +170,22 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
     p.add_argument("--force", action="store_true", help="download and convert again")
     p.set_defaults(func=_fetch_assets)
     commands: list[tuple[str, str, type, Callable]] = [
-        ("build-cache", "run the teacher once and write top-K targets", CacheBuildConfig, _build_cache),
+        ("build-cache", "run the teacher once and write its targets (64 sampled draws per token, or top-K + tail)",
+         CacheBuildConfig, _build_cache),
         ("generate-data", "sample a training corpus from the teacher (continuations of passages or prompts)",
-         GenerateDataConfig, _generate_data),
+         GenerateDataConfig, _run_command("qat_lora.data.teacher_text:generate_data")),
         ("quantize", "initialise a quantised student from calibration data (GPTQ, activation-weighted)",
-         QuantizeConfig, _quantize),
-        ("recover", "the recovery recipe: init -> end-to-end QAT -> LoRA, each stage resumable", RecoverConfig,
-         _recover),
+         QuantizeConfig, _run_command("qat_lora.commands.quantize:quantize")),
+        ("recover", "the recovery recipe: init (+ block-wise) -> optional QAT -> recovery LoRA, each stage resumable",
+         RecoverConfig, _run_command("qat_lora.commands.recover:recover")),
         ("train", "train recovery LoRA adapters and/or the quantiser from a cache, on one or N chips", TrainConfig,
-         _train),
-        ("eval", "held-out perplexity and KD metrics", EvalConfig, _eval),
+         _run_command("qat_lora.train.launch:run")),
+        ("eval", "held-out perplexity and KD metrics", EvalConfig, _run_command("qat_lora.commands.evaluate:evaluate")),
         ("export", "write the low-bit student (packed, dense, gguf, compressed-tensors) and its adapter", ExportConfig,
-         _export),
+         _run_command("qat_lora.export.exporter:export")),
         ("generate", "one streamed reply of the student (or any export) to --prompt", GenerateConfig, _generate),
-        ("demo", "the whole chain on SmolLM2 with a small budget", DemoConfig, _demo),
+        ("demo", "the whole chain on SmolLM2 with a small budget", DemoConfig,
+         _run_command("qat_lora.commands.demo:run_demo")),
     ]
     for name, help_text, cls, func in commands:
         prog = script[1] if script and script[0] == name else None
@@ -240,13 +193,13 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
                            **({"prog": prog} if prog else {}))
         p.add_argument("--version", action="version", version=f"{prog or 'qat-lora ' + name} {__version__}")
         add_dataclass_flags(p, cls)
-        p.set_defaults(func=func, **((defaults or {}) if prog else {}))
+        p.set_defaults(func=func, config_class=cls, **((defaults or {}) if prog else {}))
     p = sub.add_parser("chat", help="a streamed conversation with the student (or any export) on stdin",
                        description="a streamed conversation with the student (or any export) on stdin",
                        formatter_class=_HelpFormatter)
     p.add_argument("--version", action="version", version=f"qat-lora chat {__version__}")
     add_dataclass_flags(p, GenerateConfig, skip=("prompt",))
-    p.set_defaults(func=_chat)
+    p.set_defaults(func=_run_command("qat_lora.commands.generate:chat"), config_class=GenerateConfig)
     sub.add_parser("presets", help="list the quantisation presets").set_defaults(func=_presets)
     p = sub.add_parser("plot", help="draw a run's loss and eval curves to RUN_DIR/curves.png")
     p.add_argument("run_dir", help="run folder (holds metrics.jsonl)")
