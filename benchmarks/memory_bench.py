@@ -10,9 +10,9 @@ from its own subprocess (peaks must not mix). No download: the configs' numbers 
 model's public config.json.
 
 Modes (one record per config x mode x depth):
-- build-fp32 / build-bf16: one cache-build batch: the teacher (cache_build._teacher_to to the dtype) runs one
+- build-fp32 / build-bf16: one cache-build batch: the teacher (cache/builder._teacher_to to the dtype) runs one
   no-grad forward over B x L tokens and TopKEncoding.select picks the top-64 (the per-batch work of
-  cache_build._build_split). A bf16 teacher is built directly in bf16 (the same parameters as fp32 then
+  cache/builder._build_split). A bf16 teacher is built directly in bf16 (the same parameters as fp32 then
   _teacher_to, without the fp32 copy a host would drop anyway).
 - train-fp32: --storage-dtype fp32, w4g64 fake-quant + LoRA r 16 (recovery-lora), fp32 compute (the CPU's
   --precision auto), chunked loss (128 positions), AdamW: a warm-up step (it allocates the optimizer state) and

@@ -16,7 +16,7 @@ compile counters are process-wide and its runtime is fixed when it starts. One r
   Warm-up steps come first (one; on XLA, until a step compiles no new graph), then the median of --steps.
 - cache build vs teacher forward-only (cache_bench.throughput) on a random-weight teacher of the shape.
 --accumulation-steps N: each step runs N micro-batches of --batch-size, as the trainer does (the QAT presets'
-quantiser Wq built once per step, quant.quantized_weights_once_per_step), plus, for those presets, rows that
+quantiser Wq built once per step, quant/fake_quant.quantized_weights_once_per_step), plus, for those presets, rows that
 build Wq per micro-batch (`wq_once_per_step` false; `step_s_vs_wq_per_micro_batch` is the per-round ratio).
 The step configurations run round-robin, --rounds times, so a change of machine load hits all alike; a record
 holds the median over rounds, and its ratios (step_s_vs_plain, step_s_vs_naive) are medians of per-round ratios.
@@ -84,7 +84,7 @@ def model_config(shape: str, seq_len: int):
 
 def build_model(shape: str, seq_len: int, linear: str, preset: str, device: torch.device, lora_r: int = 16):
     """The student the trainer would build, with random weights: `linear` is PLAIN (nn.Linear + PEFT LoRA on
-    the same projections) or a quantisation preset, made trainable by `preset` (train.make_trainable_)."""
+    the same projections) or a quantisation preset, made trainable by `preset` (train/student.make_trainable_)."""
     from transformers import AutoModelForCausalLM
 
     from qat_lora.quant.fake_quant import quantize_

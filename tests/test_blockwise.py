@@ -1,4 +1,4 @@
-"""Block-wise reconstruction (qat_lora/blockwise.py, EfficientQAT Block-AP).
+"""Block-wise reconstruction (qat_lora/quant/blockwise.py, EfficientQAT Block-AP).
 
 The stage must (a) lower every block's reconstruction error and the student's held-out KD loss, (b) touch
 nothing but the decoder blocks' quantised weights and quantisers, (c) leave weights on the grid, so the

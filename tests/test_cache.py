@@ -116,6 +116,7 @@ def reference(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_builds_are_deterministic_and_verify_clean(reference, teacher_dir, corpus_dir, tmp_path):
     build_cache(_config(teacher_dir, corpus_dir, tmp_path / "again"), log=lambda _: None)
     assert _shard_bytes(reference) == _shard_bytes(tmp_path / "again") and len(_shard_bytes(reference)) > 4
@@ -124,6 +125,8 @@ def test_builds_are_deterministic_and_verify_clean(reference, teacher_dir, corpu
     assert info["bytes_per_token"] > 0 and info["encoding"]["value_bits"] == 16
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("encoding", ["topk", "sampled"])
 def test_two_ranks_together_equal_one_rank(teacher_dir, corpus_dir, tmp_path, encoding):
     one = tmp_path / "one"
@@ -142,6 +145,8 @@ def test_two_ranks_together_equal_one_rank(teacher_dir, corpus_dir, tmp_path, en
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (split, i)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_merge_refuses_a_missing_rank(teacher_dir, corpus_dir, tmp_path):
     build_cache(_config(teacher_dir, corpus_dir, tmp_path, rank=1, world_size=2), log=lambda _: None)
     with pytest.raises(ValueError, match=r"ranks \[1\] finished, the build has 2"):
@@ -157,6 +162,8 @@ def _done_shards(progress: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigkill_then_resume_gives_byte_identical_shards(reference, teacher_dir, corpus_dir, tmp_path):
     """Kill the builder at random moments (several trials), resume each time; the result must equal an
     uninterrupted build byte for byte."""
@@ -185,6 +192,7 @@ def test_sigkill_then_resume_gives_byte_identical_shards(reference, teacher_dir,
     assert not list(out.glob("*.tmp")) and not list(out.glob(".tmp*"))
 
 
+@pytest.mark.slow
 def test_resume_clears_what_a_kill_mid_save_leaves(reference, teacher_dir, corpus_dir, tmp_path):
     # A SIGKILL inside save_file leaves safetensors' own temp file (`.tmpXXXXXX`, safetensors >= 0.8) or ours
     # (`name.tmp`); the resumed build removes both and still equals an uninterrupted one. A user's file stays refused.
@@ -209,6 +217,7 @@ def test_resume_refuses_different_arguments(reference, teacher_dir, corpus_dir, 
         build_cache(_config(teacher_dir, corpus_dir, out, top_k=4, resume=True), log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_build_is_a_successful_no_op(reference, teacher_dir, corpus_dir, tmp_path):
     # A preemption loop reruns `build-cache --resume` after the build completed: exit 0, nothing rewritten.
     out = tmp_path / "done"
@@ -248,6 +257,7 @@ def test_damage_is_reported_in_one_line_naming_the_file(reference, tmp_path, cap
     assert len(err) == 1 and (shard.name in err[0] or "manifest.json" in err[0]), err
 
 
+@pytest.mark.multiprocess
 def test_training_batches_are_fixed_shape_and_rank_disjoint(reference):
     cache = KDCache(reference)
     seen = []
@@ -292,6 +302,7 @@ def test_preloaded_and_memory_mapped_reads_agree(reference):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_trainer_and_eval_read_a_sampled_cache(teacher_dir, corpus_dir, tmp_path):
     from qat_lora.commands.config import EvalConfig
     from qat_lora.train.config import TrainConfig
@@ -385,6 +396,7 @@ def test_teacher_dtype_and_matmul_precision_flags(reference, teacher_dir, corpus
     assert (a["topk_logprobs"][..., 0] - b["topk_logprobs"][..., 0]).abs().max() < 0.2
 
 
+@pytest.mark.slow
 def test_a_topk_build_from_before_the_sampled_default_resumes(reference, teacher_dir, corpus_dir, tmp_path):
     # `reference` is a top-K build; the same command line now means sampled N = 64. Interrupted before the
     # manifest, it is refused with the flag that continues it, and with that flag it finishes as it began.

@@ -29,6 +29,7 @@ def cache_dir(tmp_path_factory, teacher_dir, corpus_dir):
     return out
 
 
+@pytest.mark.slow
 def test_cache_round_trip_matches_teacher(cache_dir, teacher_dir):
     cache = KDCache(cache_dir)
     manifest = cache.manifest
@@ -56,6 +57,7 @@ def test_pack_pads_only_the_last_row():
     assert mask.sum() == 10 and mask[-1].tolist() == [1, 1, 0, 0]
 
 
+@pytest.mark.multiprocess
 def test_batch_order_is_a_pure_function_and_ranks_are_disjoint():
     a = batch_order(50, seed=3, epoch=1, rank=0, world_size=2)
     b = batch_order(50, seed=3, epoch=1, rank=1, world_size=2)
@@ -64,6 +66,7 @@ def test_batch_order_is_a_pure_function_and_ranks_are_disjoint():
     assert not torch.equal(a, batch_order(50, seed=3, epoch=2, rank=0, world_size=2))
 
 
+@pytest.mark.slow
 def test_thirty_steps_lower_heldout_kd_loss(cache_dir, teacher_dir, tmp_path):
     before = evaluate(EvalConfig(model=str(teacher_dir), quant="w2g32", cache=str(cache_dir), device="cpu"),
                       log=lambda _: None)

@@ -28,6 +28,7 @@ def host_builds(tmp_path_factory, teacher_dir, corpus_dir) -> tuple[Path, Path]:
     return root / "host0", root / "host1"
 
 
+@pytest.mark.multiprocess
 def test_two_hosts_folders_merge_into_one_cache_that_verifies_and_trains(host_builds, teacher_dir, tmp_path, capsys):
     host0, host1 = (shutil.copytree(p, tmp_path / p.name) for p in host_builds)
     assert not (host0 / "manifest.json").exists()
@@ -41,6 +42,7 @@ def test_two_hosts_folders_merge_into_one_cache_that_verifies_and_trains(host_bu
     capsys.readouterr()
 
 
+@pytest.mark.multiprocess
 def test_a_changed_shard_is_refused_and_nothing_is_merged(host_builds, tmp_path, capsys):
     host0, host1 = (shutil.copytree(p, tmp_path / p.name) for p in host_builds)
     shard = next(host1.glob("train-r001-*.safetensors"))
@@ -52,6 +54,7 @@ def test_a_changed_shard_is_refused_and_nothing_is_merged(host_builds, tmp_path,
     assert not (host0 / "manifest.json").exists() and not list(host0.glob("*r001*"))
 
 
+@pytest.mark.multiprocess
 def test_ranks_of_another_build_are_refused(host_builds, teacher_dir, corpus_dir, tmp_path, capsys):
     host0 = shutil.copytree(host_builds[0], tmp_path / "host0")
     other = tmp_path / "other"
@@ -62,6 +65,7 @@ def test_ranks_of_another_build_are_refused(host_builds, teacher_dir, corpus_dir
     assert not list(host0.glob("*r001*"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("source", ["empty", "self"])
 def test_a_source_without_ranks_is_one_line(source, host_builds, tmp_path, capsys):
     host0 = shutil.copytree(host_builds[0], tmp_path / "host0")
@@ -71,6 +75,7 @@ def test_a_source_without_ranks_is_one_line(source, host_builds, tmp_path, capsy
     assert code == 2 and len(err) == 1 and "no manifest-r*.json of another folder" in err[0], err
 
 
+@pytest.mark.multiprocess
 def test_hosts_may_share_one_folder_while_another_host_builds(host_builds, teacher_dir, corpus_dir, tmp_path):
     """A bucket or NFS folder every host writes: one host's lock on it does not stop another host's ranks."""
     from qat_lora.runtime.files import FolderLock

@@ -4,7 +4,6 @@ to a one-device build. Each build runs in its own subprocess (DESIGN §6: device
 per process)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -15,13 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers_xla import require_torch_xla
 from qat_lora.cache.reader import KDCache
 from qat_lora.cache.encodings import DELTA_STEP
 
-if importlib.util.find_spec("torch_xla") is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch_xla is not installed; CI must install the [xla] extra")
-    pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
+require_torch_xla()
 
 BATCH = 2  # rows per device
 FLAGS = ("--seq-len", "32", "--encoding", "topk", "--top-k", "8", "--value-bits", "16", "--max-tokens", "1500", "--batch-size", str(BATCH),
@@ -77,7 +74,9 @@ def _assert_same_cache(a: Path, b: Path) -> None:
     x, y = _rows(a), _rows(b)
     assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["attention_mask"], y["attention_mask"])
     assert torch.equal(x["topk_ids"], y["topk_ids"])  # bit-exact ids
-    torch.testing.assert_close(x["topk_logprobs"], y["topk_logprobs"], rtol=0, atol=DELTA_STEP[16])
+    # Values are stored as 16-bit steps below each row's fp32 anchor: a sum over 8 shards may round one value to
+    # the neighbouring step, and the anchor itself moves by fp32 noise, so one step plus that noise.
+    torch.testing.assert_close(x["topk_logprobs"], y["topk_logprobs"], rtol=0, atol=DELTA_STEP[16] + 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +87,8 @@ def one_device(tmp_path_factory, teacher_dir, corpus_dir) -> Path:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 @pytest.mark.parametrize("devices", [4, 8])
 def test_an_fsdp_build_splits_the_teacher_and_equals_a_one_device_build(devices, one_device, teacher_dir,
                                                                         corpus_dir, tmp_path):
@@ -103,6 +104,9 @@ def test_an_fsdp_build_splits_the_teacher_and_equals_a_one_device_build(devices,
     assert xla["transfers_from_device"] == _batches(out, BATCH * devices), xla
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_the_cli_fsdp_build_resumes_after_its_last_recorded_shard(one_device, teacher_dir, corpus_dir, tmp_path):
     out = tmp_path / "fsdp"
     cmd = ["-m", "qat_lora", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir),
@@ -124,6 +128,8 @@ def test_the_cli_fsdp_build_resumes_after_its_last_recorded_shard(one_device, te
     _assert_same_cache(out, one_device)
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_fsdp_without_xla_is_one_line(teacher_dir, corpus_dir, tmp_path):
     result = _run(["-m", "qat_lora", "build-cache", "--teacher", str(teacher_dir), "--data", str(corpus_dir),
                    "--out", str(tmp_path / "c"), "--device", "cpu", "--parallel", "fsdp"], check=False)
@@ -131,6 +137,9 @@ def test_fsdp_without_xla_is_one_line(teacher_dir, corpus_dir, tmp_path):
     assert "--parallel fsdp with --device cpu: SPMD needs --device xla or tpu" in result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_a_sampled_fsdp_build_draws_what_one_device_draws(teacher_dir, corpus_dir, tmp_path):
     # Sampled targets are drawn on the host from the logits: under SPMD those come from each device's own shard
     # (device.to_host), never gathered whole on one device, and give the same draws.

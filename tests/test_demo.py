@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import qat_lora.data.assets
 from qat_lora.data.assets import Assets
 from qat_lora.commands.config import DemoConfig
 from qat_lora.commands.demo import run_demo
 
 
+@pytest.mark.slow
 def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, corpus_dir, monkeypatch, capsys):
     assets = Assets(root=tmp_path, teacher_dir=teacher_dir, train_text_dir=corpus_dir, eval_text=corpus_dir / "b.txt")
     monkeypatch.setattr(qat_lora.data.assets, "fetch_assets", lambda root=None, **_: assets)

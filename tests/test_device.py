@@ -13,6 +13,7 @@ def _probe(env: dict) -> str:
                           check=True).stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt exists only on Linux")
 def test_host_allocator_is_tuned_on_glibc_unless_the_user_set_malloc_variables():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
@@ -21,6 +22,7 @@ def test_host_allocator_is_tuned_on_glibc_unless_the_user_set_malloc_variables()
     assert _probe({**env, "MALLOC_TOP_PAD_": "0"}) == "False"  # the user's own setting wins, untouched
 
 
+@pytest.mark.slow
 def test_a_cpu_run_neither_imports_torch_xla_nor_warns_about_it(teacher_dir):
     # accelerate imports torch_xla whenever it is installed, which prints "Defaulting to PJRT_DEVICE=CPU" on
     # every plain CPU run; loading a model for the CPU must keep it out.

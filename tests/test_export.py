@@ -46,6 +46,7 @@ def test_pack_round_trip_uses_bit_width(bits):
     assert torch.equal(unpack_codes(packed, bits, 1001), codes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PACKED_CASES)
 def test_packed_export_reloads_bit_exact(case, teacher_dir, tokenizer, tmp_path):
     student = quantize_(load_causal_lm(teacher_dir), PACKED_CASES[case])
@@ -90,6 +91,7 @@ save_file({"logits": logits.contiguous()}, sys.argv[3])
 """
 
 
+@pytest.mark.slow
 def test_cli_export_dense_logits_equal_fake_quant_student(teacher_dir, tmp_path):
     assert main(["export", "--model", str(teacher_dir), "--quant", "lut2g32", "--out", str(tmp_path / "x")]) == 0
     report = json.loads((tmp_path / "x" / "export.json").read_text())
@@ -136,6 +138,7 @@ def test_merge_requantises_and_reports_the_error(teacher_dir, tmp_path):
     assert (merged_logits - adapted_logits).norm() < (base_logits - adapted_logits).norm()
 
 
+@pytest.mark.slow
 def test_merge_report_gives_heldout_kd_loss_of_the_unmerged_and_the_merged_student(teacher_dir, cache_dir,
                                                                                      tmp_path):
     _saved_adapter(teacher_dir, tmp_path / "adapter")  # lora_B perturbed: a trained, non-zero adapter

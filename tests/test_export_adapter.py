@@ -63,6 +63,7 @@ def _plain_logits(tmp_path, folder, adapter, ids) -> torch.Tensor:
     return load_file(str(tmp_path / "logits.safetensors"))["logits"]
 
 
+@pytest.mark.slow
 def test_unmerged_adapter_loads_over_the_dense_base_with_plain_peft(teacher_dir, trained_adapter, tmp_path):
     # The bug: dense/ held PEFT's wrapped names (q_proj.base_layer.weight), so transformers re-initialised
     # every adapted linear at random and only warned. Now dense/ is the plain base and adapter/ is PEFT's.
@@ -84,6 +85,7 @@ def test_unmerged_adapter_loads_over_the_dense_base_with_plain_peft(teacher_dir,
     assert "PeftModel.from_pretrained" in report["folders"]["adapter"]
 
 
+@pytest.mark.slow
 def test_full_precision_merge_is_a_plain_folder_equal_to_the_student(teacher_dir, trained_adapter, cache_dir,
                                                                      tmp_path, capsys):
     out = tmp_path / "e"
@@ -99,6 +101,7 @@ def test_full_precision_merge_is_a_plain_folder_equal_to_the_student(teacher_dir
     assert verdict["good"] and verdict["recovery_kept"] == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.slow
 def test_grid_merge_reports_the_recovery_it_loses(teacher_dir, trained_adapter, cache_dir, tmp_path, capsys):
     out = tmp_path / "e"
     assert main(["export", "--model", str(teacher_dir), "--quant", QUANT, "--adapter", trained_adapter,
@@ -126,6 +129,7 @@ def test_grid_merge_without_a_cache_warns_from_the_requantisation_error(teacher_
     assert "pass --cache to measure it" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_resnap_stage_trains_the_merged_grid_back_toward_the_recovery(teacher_dir, trained_adapter, cache_dir,
                                                                     tmp_path):
     from qat_lora.export.merge import heldout_metrics, merge_lora_

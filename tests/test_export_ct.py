@@ -48,6 +48,7 @@ def test_pack_int32_matches_compressed_tensors():
         assert torch.equal(unpack_from_int32(ours, bits, torch.Size([6, 70])).long(), q)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant,mode", [("w4g32", "dequantize"), ("w4g64", "dequantize"), ("w4pc", "dequantize"),
                                         ("w8pc", "dequantize"), ("w2g32", "dequantize"), ("q4_0", "compressed"),
                                         ("q4_0", "dequantize"),
@@ -88,6 +89,7 @@ def test_unsupported_presets_get_one_line_naming_the_alternatives(quant, teacher
     assert len(err) == 1 and "w4g32" in err[0] and not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_peft_adapter_beside_the_compressed_tensors_base_reproduces_the_student(teacher_dir, tmp_path):
     from conftest import save_random_adapter
     from qat_lora.train.student import load_student

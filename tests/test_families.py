@@ -97,6 +97,7 @@ def _dense_logits(folder, adapter, ids, **kwargs) -> torch.Tensor:
         return model.eval()(input_ids=ids).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_end_to_end(family, corpus, family_tokenizer, tmp_path, capsys):
     from transformers import CompressedTensorsConfig
@@ -189,6 +190,7 @@ def test_family_end_to_end(family, corpus, family_tokenizer, tmp_path, capsys):
     torch.testing.assert_close(loaded, base, rtol=0, atol=5e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_layer_by_layer_equals_the_whole_forward(family, family_tokenizer, tmp_path):
     # What GPTQ and block-wise reconstruction rely on: the captured inputs, run through the layers one at a time,

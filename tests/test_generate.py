@@ -9,6 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import save_random_adapter
+from helpers_xla import on_xla
 from qat_lora.commands.cli import main
 from qat_lora.train.config import StudentSpec
 from qat_lora.commands.config import GenerateConfig
@@ -65,6 +66,7 @@ def test_generate_streams_the_students_greedy_decode(chat_model):
     assert len([p for p in pieces if p]) > 2  # streamed token by token, not printed once at the end
 
 
+@pytest.mark.slow
 def test_generate_from_a_packed_export_with_its_adapter(chat_model, tmp_path, capsys):
     out = tmp_path / "e"
     assert main(["export", "--model", str(chat_model / "model"), "--quant", "w3g32", "--adapter",
@@ -76,6 +78,7 @@ def test_generate_from_a_packed_export_with_its_adapter(chat_model, tmp_path, ca
     assert capsys.readouterr().out == expected_text + "\n"
 
 
+@pytest.mark.slow
 def test_chat_keeps_the_conversation(chat_model):
     pieces: list[str] = []
     lines = iter(["the queen", "a river", ""])
@@ -118,22 +121,16 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_generate_on_xla_compiles_per_cache_size_not_per_token(chat_model):
     # The static KV cache gives every decode step the same shapes: twice the tokens (a new cache size, so compiled
     # afresh) compile exactly as many graphs, only executing more. Measured on XLA:CPU: 12 graphs either way.
     import importlib.util
-    import json
-    import os
-    import subprocess
-    import sys
 
     if importlib.util.find_spec("torch_xla") is None:
         pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')")
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", GENERATE_ON_XLA, str(chat_model / "model"),
-                             str(chat_model / "adapter")], env=env, capture_output=True, text=True, timeout=550)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = on_xla(GENERATE_ON_XLA, str(chat_model / "model"), str(chat_model / "adapter"), timeout=550)
     short, long = report["2"], report["4"]
     assert long["graphs_compiled"] == short["graphs_compiled"] > 0, report
     assert long["graph_executions"] > short["graph_executions"], report

@@ -1,4 +1,4 @@
-"""GPTQ init (qat_lora/gptq.py) and decoder-block plumbing (qat_lora/blocks.py).
+"""GPTQ init (qat_lora/quant/gptq.py) and decoder-block plumbing (qat_lora/quant/blocks.py).
 
 GPTQ must (a) beat round-to-nearest on the layer output, (b) land exactly on a FakeQuantLinear grid, so that
 training continues from it, and (c) survive singular Hessians. Tiny models are built from a config.
@@ -214,6 +214,7 @@ def _kl_to(teacher: nn.Module, student: nn.Module, batches: list[torch.Tensor]) 
     return float(sum(kl) / len(kl))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_gptq_model_is_closer_to_teacher_than_rtn(arch):
     teacher = _tiny(arch)

@@ -88,6 +88,7 @@ def _assert_file_holds_wq(path, student):
     return types
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", KQUANTS)
 def test_gguf_dequantizer_gives_the_kquant_students_wq_exactly(preset, wide_dir, tokenizer, tmp_path):
     student = _trained(wide_dir, preset)
@@ -112,6 +113,7 @@ def test_rows_not_a_multiple_of_256_train_and_export_on_the_fallback_grid(preset
     assert {t for n, t in types.items() if n.endswith("down_proj")} == {KQUANTS[preset]}
 
 
+@pytest.mark.slow
 def test_transformers_loads_every_kquant_gguf_with_the_students_logits(wide_dir, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -293,6 +295,7 @@ def test_blockwise_reconstruction_refuses_kquants_in_one_line(wide_dir):
                             lr_weights=1e-4, lr_quant=1e-4, batch_size=1, log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, tokenizer, tmp_path):
     # The path a user takes: teacher .gguf -> KD cache -> QAT of the q4_k quantiser -> `qat-lora export --format gguf`.
     import json
@@ -330,6 +333,7 @@ def test_qat_then_cli_export_from_a_gguf_teacher_is_exact(wide_dir, corpus_dir, 
     _assert_file_holds_wq(out / "gguf" / GGUF_FILE, student)
 
 
+@pytest.mark.slow
 def test_gptq_over_a_kquant_student_lowers_every_layers_error_and_exports_exactly(wide_dir, tokenizer, tmp_path):
     from qat_lora.quant.gptq import gptq_
 

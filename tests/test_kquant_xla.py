@@ -3,18 +3,10 @@ graph compiles, nothing falls back to the CPU and nothing leaves the device (no 
 static shapes), and the XLA Wq equals the CPU one. Its own subprocess: the counters are process-wide."""
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers_xla import on_xla, require_torch_xla
 
-if importlib.util.find_spec("torch_xla") is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch_xla is not installed; CI must install the [xla] extra")
-    pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
+require_torch_xla()
 
 STEPS = """
 import json
@@ -58,11 +50,10 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_kquant_training_steps_on_xla_compile_once_and_stay_on_the_device():
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", STEPS], env=env, capture_output=True, text=True, timeout=500)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = on_xla(STEPS)
     for preset, counters in report.items():
         assert counters["graphs_compiled"] == 0, (preset, counters)  # steps 3-5 reuse step 2's graph
         assert counters["cpu_fallback_ops"] == [], (preset, counters)

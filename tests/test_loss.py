@@ -177,6 +177,7 @@ def test_chunked_loss_gradient_flows_only_through_the_loss_and_only_to_what_need
     assert weight.grad is None and hidden.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_sampled_targets_are_unbiased_for_the_full_soft_cross_entropy():
     """Mean of the RS-KD loss over many independent draws -> the exact full-vocabulary soft CE."""
     from qat_lora.cache.encodings import SampledEncoding, encode_rows

@@ -63,6 +63,7 @@ def test_lora_count_and_step_flops_equal_the_built_students(bench, name, monkeyp
     assert bench.step_flops_per_token(name, 1, 256) == step_flops_per_token(model, 256)
 
 
+@pytest.mark.multiprocess
 def test_table_formula_is_the_documented_one(bench):
     p, b, l, v = 1e9, 8, 512, 152064
     logits = 2 * b * l * v * 4  # 5.0 GB: the docs' "B 8, L 512, V 152 k"

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -43,6 +44,8 @@ def _wait(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int
     return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_nodes_make_the_same_adapters_as_one_process_with_the_global_batch(teacher_dir, cache_dir, tmp_path):
     seed = _full_rows_seed(cache_dir, 12)
     single = tmp_path / "single"
@@ -65,7 +68,7 @@ def test_two_nodes_make_the_same_adapters_as_one_process_with_the_global_batch(t
 
 
 def test_the_ranks_read_disjoint_rows_by_global_rank(cache_dir):
-    # What a rank of W reads (cache.endless_batches: order[rank::world_size]) covers the epoch once.
+    # What a rank of W reads (cache/reader.endless_batches: order[rank::world_size]) covers the epoch once.
     cache = KDCache(cache_dir)
     order = batch_order(cache.num_sequences("train"), seed=3, epoch=0).tolist()
     shares = [order[rank::4] for rank in range(4)]
@@ -73,6 +76,8 @@ def test_the_ranks_read_disjoint_rows_by_global_rank(cache_dir):
                                                             if a is not b)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_to_one_node_stops_every_rank_at_one_step_and_resumes(teacher_dir, cache_dir, tmp_path):
     run = tmp_path / "run"
     flags = _flags(teacher_dir, cache_dir, run, "--max-steps", "400", "--save-steps", "100", "--resume", "auto")

@@ -88,6 +88,9 @@ def _assert_chain(work: Path, run: Path) -> dict:
     return results
 
 
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.xla
 def test_01_quickstart_runs_the_chain_on_the_cpu(tmp_path, tiny):
     work, _ = _execute("01_quickstart.ipynb", tmp_path, {**tiny, "DEVICE": "cpu", "MAX_STEPS": 6, "EVAL_STEPS": 3})
     run = work / "run-w3g64"
@@ -100,6 +103,9 @@ def test_01_quickstart_runs_the_chain_on_the_cpu(tmp_path, tiny):
     assert [e["step"] for e in evals] == [3, 6]  # the eval curve the plot cell draws
 
 
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.xla
 def test_02_tpu_single_chip_stops_resumes_and_reports_compiles_on_xla(tmp_path, tiny):
     _xla_or_skip()
     # Enough steps after the first checkpoint that the stop lands mid-run; evaluations on the CPU keep it short.
@@ -121,6 +127,10 @@ def test_02_tpu_single_chip_stops_resumes_and_reports_compiles_on_xla(tmp_path, 
     assert config["device"] == "xla" and config["storage_dtype"] == "bf16"
 
 
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_03_multi_chip_builds_on_two_devices_trains_spmd_and_plots_throughput(tmp_path, tiny):
     _xla_or_skip()
     work, _ = _execute("03_multi_chip.ipynb", tmp_path,
@@ -144,6 +154,7 @@ def test_03_multi_chip_builds_on_two_devices_trains_spmd_and_plots_throughput(tm
 _LOCAL_PATH = re.compile(r"(?<![\w.])(/home/|/Users/|/tmp/|/work/|/root/|/var/|[A-Z]:\\\\)")
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_stored_notebook_is_clean(path):
     nb = nbformat.read(path, as_version=4)
@@ -156,6 +167,7 @@ def test_stored_notebook_is_clean(path):
     assert not re.search(r"(?i)(api[_-]?key|token\s*=\s*['\"][A-Za-z0-9_]{16,}|hf_[A-Za-z0-9]{20,})", text)
 
 
+@pytest.mark.notebook
 def test_there_are_three_notebooks():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_tpu_single_chip.ipynb", "03_multi_chip.ipynb"]
 
@@ -202,6 +214,8 @@ def _run_install_cell(monkeypatch, env: dict, installed_xla: str | None, colab: 
     return calls
 
 
+@pytest.mark.notebook
+@pytest.mark.xla
 def test_install_cell_pins_torch_xla_to_the_runtimes_torch(monkeypatch):
     import torch
 
@@ -221,5 +235,6 @@ def test_install_cell_pins_torch_xla_to_the_runtimes_torch(monkeypatch):
         [f"torch=={version}", f"torch-xla[tpu]=={version}"]]
 
 
+@pytest.mark.notebook
 def test_notebooks_share_one_install_cell():
     assert len({_install_cell(p) for p in NOTEBOOKS}) == 1

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import load_benchmark, make_model_dir, make_tokenizer, synthetic_text
+from helpers_xla import on_xla
 from qat_lora.data import models
 from qat_lora.cache.reader import BASE_KEYS, KDCache
 from qat_lora.cache.builder import build_cache
@@ -46,6 +44,7 @@ def test_full_soft_ce_is_the_float64_full_vocabulary_cross_entropy():
         torch.testing.assert_close(kl, reference + (q * q.log()).sum(-1) * temperature**2, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("chunk_size", [0, 7])
 def test_online_loss_equals_the_k_equal_v_cache_loss(full_cache, teacher_dir, temperature, chunk_size):
@@ -159,16 +158,15 @@ print(json.dumps(summary["compile"]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
 def test_the_online_step_on_xla_compiles_and_runs_as_many_graphs_as_the_cached_step(tmp_path, full_cache,
                                                                                      teacher_dir):
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "OMP_NUM_THREADS": "1"}
     reports = {}
     for online in ("0", "1"):  # each in its own process: the counters and the in-memory graph cache are global
-        result = subprocess.run([sys.executable, "-c", ONLINE_ON_XLA, str(teacher_dir), str(full_cache),
-                                 str(tmp_path / online), online], env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        reports[online] = json.loads(result.stdout.strip().splitlines()[-1])
+        reports[online] = on_xla(ONLINE_ON_XLA, str(teacher_dir), str(full_cache), str(tmp_path / online), online,
+                                 timeout=600)
     cached, online = reports["0"], reports["1"]
     # The teacher joins the step's graph: no graph of its own, no host read, nothing after step 2.
     assert online["graphs_compiled"] == cached["graphs_compiled"], reports
@@ -177,6 +175,7 @@ def test_the_online_step_on_xla_compiles_and_runs_as_many_graphs_as_the_cached_s
     assert online["graphs_compiled_after_step_2"] == 0 and online["cpu_fallback_ops"] == [], online
 
 
+@pytest.mark.slow
 def test_target_bench_times_a_cached_and_an_online_variant(tmp_path, full_cache, teacher_dir):
     bench = load_benchmark("target_bench")
     result = bench.main(["--teacher", str(teacher_dir), "--variant", f"kv:{full_cache}", "--variant",

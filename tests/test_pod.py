@@ -61,6 +61,9 @@ print("POD " + json.dumps({"rank": backend.rank, "world_size": backend.world_siz
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None and not os.environ.get("CI"),
                     reason="torch_xla not installed (pip install 'qat-lora[xla]')")
 @pytest.mark.parametrize("host", [0, 1])

@@ -62,6 +62,7 @@ def _by_method(records: list[dict]) -> dict[str, dict]:
     return {r["method"]: r for r in records}
 
 
+@pytest.mark.slow
 def test_one_record_per_row_with_every_field(first_run, tiny_args):
     path = Path(tiny_args[tiny_args.index("--json") + 1])
     saved = json.loads(path.read_text())
@@ -303,6 +304,7 @@ def test_eval_text_inside_the_training_text_is_refused(recovery, tiny_args, corp
     assert "must stay held out" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_searched_init_is_computed_once_by_the_start_row(recovery, first_run, tiny_args, teacher_dir, monkeypatch):
     # w2g32 starts from the MSE search: its PTQ row saves the quantiser, and the training run loads that file
     # instead of searching again (build_student is never asked for a fresh w2g32 init).

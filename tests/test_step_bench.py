@@ -25,6 +25,7 @@ def step_bench():
     return load_benchmark("step_bench")
 
 
+@pytest.mark.xla
 def test_configurations_pair_every_preset_with_the_fake_quant_linear_only(step_bench):
     args = step_bench.parse_args(["--devices", "cpu", "xla", "--quant", "w2g32"])
     specs = step_bench.step_specs(args)
@@ -77,6 +78,7 @@ def test_records_take_medians_over_rounds_and_ratios_within_each_round(step_benc
     assert records["nn.Linear", "recovery-lora", "naive"]["step_s_vs_plain"] is None  # the reference itself
 
 
+@pytest.mark.slow
 def test_harness_writes_one_record_per_configuration(tmp_path):
     out = tmp_path / "step_bench.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "step_bench.py"), "--shape", "tiny", "--batch-size", "2",

@@ -162,7 +162,6 @@ def test_only_the_cli_reads_argv():
         assert "sys.argv" not in text and "parse_args" not in text and "parse_known_args" not in text, path.name
 
 
-@pytest.mark.xla
 def test_plot_command_loads_neither_trainer_nor_torch_xla(tmp_path):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
@@ -178,7 +177,6 @@ def test_plot_command_loads_neither_trainer_nor_torch_xla(tmp_path):
     assert (run / "curves.png").stat().st_size > 0
 
 
-@pytest.mark.xla
 def test_public_api_is_importable_and_lazy():
     # Every public name resolves to where its stage defines it; importing the package loads none of them.
     probe = ("import sys, json, qat_lora; before = sorted(m for m in sys.modules if m.startswith(('qat_lora.', "

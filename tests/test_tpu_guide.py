@@ -57,6 +57,7 @@ def _torchrun_flags() -> set[str]:
 GCLOUD_FLAGS = {"--zone", "--accelerator-type", "--version", "--worker", "--command"}
 
 
+@pytest.mark.multiprocess
 def test_every_guide_flag_exists_in_the_cli():
     known = set().union(*_parsers().values(), _torchrun_flags(), GCLOUD_FLAGS)
     flags = set(FLAG.findall(GUIDE.read_text()))

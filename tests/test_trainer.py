@@ -162,6 +162,8 @@ def test_each_preset_lowers_heldout_kd_loss_and_saves_what_it_trained(preset, te
     assert _heldout(teacher_dir, cache_dir, run) < _heldout(teacher_dir, cache_dir, None) - 0.005
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigkill_then_resume_auto_is_bit_identical(teacher_dir, cache_dir, tmp_path):
     flags = ("--max-steps", "40", "--save-steps", "4", "--keep-checkpoints", "2")
     reference = tmp_path / "reference"
@@ -196,6 +198,8 @@ def test_sigkill_then_resume_auto_is_bit_identical(teacher_dir, cache_dir, tmp_p
     assert all(torch.equal(v, b[k]) for k, v in load_file(str(run / "adapter" / "adapter_model.safetensors")).items())
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_saves_a_checkpoint_and_exits_143(teacher_dir, cache_dir, tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(_cli(teacher_dir, cache_dir, run, "--max-steps", "100000"), stdout=subprocess.PIPE,
@@ -274,6 +278,8 @@ def test_accumulated_micro_steps_make_the_same_update_as_one_batch(preset, teach
         assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5) and r2["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_gloo_ranks_make_the_same_update_as_one_rank_with_twice_the_batch(teacher_dir, cache_dir, tmp_path):
     seed = _full_rows_seed(cache_dir, 12)
     single = tmp_path / "single"
@@ -294,6 +300,8 @@ def test_two_gloo_ranks_make_the_same_update_as_one_rank_with_twice_the_batch(te
     assert [r["step"] for r in _curve(multi)] == [1, 2, 3]  # only the master writes metrics
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_ranks_sigkill_then_resume_equals_an_uninterrupted_torchrun_launch(teacher_dir, cache_dir, tmp_path):
     """Multi-rank resume (every rank's RNG and data position) and a torchrun launch, against each other."""
     import os
@@ -340,6 +348,7 @@ backend.rendezvous("end")
 """
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_raises_makes_every_rank_exit_nonzero(tmp_path):
     started = time.monotonic()
     codes = launch_local([sys.executable, "-c", FAILING_RANK], 2, grace_s=5, log=lambda _: None).codes
@@ -347,6 +356,7 @@ def test_a_rank_that_raises_makes_every_rank_exit_nonzero(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_periodic_eval_keeps_the_best_checkpoint_by_heldout_loss(teacher_dir, cache_dir, tmp_path):
     run = tmp_path / "run"
     summary = train(_cfg(teacher_dir, cache_dir, run, max_steps=6, eval_steps=3), **QUIET)
@@ -362,6 +372,8 @@ def test_periodic_eval_keeps_the_best_checkpoint_by_heldout_loss(teacher_dir, ca
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_unavailable_devices_and_bad_flags_are_one_line_errors(teacher_dir, cache_dir, tmp_path):
     with pytest.raises(ValueError, match="--preset 'lora'"):
         _cfg(teacher_dir, cache_dir, tmp_path, preset="lora")
@@ -383,6 +395,7 @@ def test_unavailable_devices_and_bad_flags_are_one_line_errors(teacher_dir, cach
     assert "--num-chips" in result.stdout and "--parallel" in result.stdout
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_match_the_metrics_file(teacher_dir, cache_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -398,6 +411,7 @@ def test_tensorboard_scalars_match_the_metrics_file(teacher_dir, cache_dir, tmp_
     assert [s.step for s in events.Scalars("eval/eval_loss")] == [2, 4]
 
 
+@pytest.mark.slow
 def test_calibrated_lora_init_starts_closer_to_the_teacher_than_zero(teacher_dir, cache_dir, tmp_path):
     """--lora-init calibrated: the run starts from the calibrated adapters (held-out KD loss after one step at a
     negligible rate is lower than the zero start's), records it, and refuses a preset without LoRA."""

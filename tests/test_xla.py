@@ -2,7 +2,6 @@
 the device count and compile counters are process-wide."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,13 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers_xla import require_torch_xla
 from qat_lora.cache.builder import build_cache
 from qat_lora.cache.config import CacheBuildConfig
 
-if importlib.util.find_spec("torch_xla") is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch_xla is not installed; CI must install the [xla] extra")
-    pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
+require_torch_xla()
 
 
 def _train(tmp_path, teacher_dir, cache, device: str, steps: int, *extra: str) -> dict:
@@ -49,6 +46,8 @@ def xla_run(tmp_path_factory, teacher_dir, xla_cache):
     return _train(root, teacher_dir, xla_cache, "xla", 20, "--save-steps", "10", "--xla-cache-dir", str(root / "xc"))
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_twenty_xla_steps_compile_nothing_after_step_two(tmp_path, teacher_dir, xla_cache, xla_run):
     xla = xla_run
     report = json.loads((xla["out"] / "compile_report.json").read_text())
@@ -67,9 +66,11 @@ def test_twenty_xla_steps_compile_nothing_after_step_two(tmp_path, teacher_dir, 
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3, abs=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_qat_lora_with_accumulation_compiles_nothing_after_step_two(tmp_path, teacher_dir, xla_cache):
     # Micro-steps with a trainable quantiser: Wq is built in the first micro-step's graph and backpropagated in the
-    # last one's (quant.quantized_weights_once_per_step): a fixed set of graphs, and the CPU run's losses.
+    # last one's (quant/fake_quant.quantized_weights_once_per_step): a fixed set of graphs, and the CPU run's losses.
     flags = ("--preset", "qat+lora", "--accumulation-steps", "2")
     xla = _train(tmp_path, teacher_dir, xla_cache, "xla", 6, *flags)
     report = json.loads((xla["out"] / "compile_report.json").read_text())
@@ -89,6 +90,9 @@ def _load_adapter(run) -> dict:
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_recovery_lora_multi.py"
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_spmd_over_two_devices_with_recompute_matches_one_device_with_the_whole_batch(tmp_path, teacher_dir, xla_cache, xla_run):
     out = tmp_path / "spmd"
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
@@ -111,6 +115,9 @@ def test_spmd_over_two_devices_with_recompute_matches_one_device_with_the_whole_
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_multi_chip_xla_processes_on_a_cpu_host_are_a_one_line_error(tmp_path):
     from qat_lora.runtime.device import tpu_present
 

@@ -18,6 +18,7 @@ from qat_lora.runtime.sharding import shard_dim
 from qat_lora.train.student import build_student, make_trainable_, set_storage_dtype_
 
 
+@pytest.mark.xla
 @pytest.mark.parametrize("host", [4, 8])
 def test_one_process_over_a_subset_sees_only_the_first_chips(host):
     assert tpu_visibility_env(1, host, per_process=False) == {
@@ -29,6 +30,7 @@ def test_one_process_over_a_subset_sees_only_the_first_chips(host):
     assert tpu_visibility_env(4, host, per_process=False) == expected_4
 
 
+@pytest.mark.xla
 @pytest.mark.parametrize("host", [4, 8])
 def test_replicas_over_a_subset_get_one_chip_each_and_n_processes(host):
     # torch_xla.launch starts min(chips, prod(TPU_PROCESS_BOUNDS)) replicas and gives each its chip itself.
@@ -40,6 +42,7 @@ def test_replicas_over_a_subset_get_one_chip_each_and_n_processes(host):
         "TPU_PROCESS_BOUNDS": "2,2,1", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1"})
 
 
+@pytest.mark.xla
 def test_every_chip_sets_nothing_and_impossible_counts_are_one_line_errors():
     assert tpu_visibility_env(1, 1, per_process=False) == {}  # Colab's single-chip runtime: left as it is
     assert tpu_visibility_env(8, 8, per_process=True) == {}
@@ -49,6 +52,7 @@ def test_every_chip_sets_nothing_and_impossible_counts_are_one_line_errors():
         tpu_visibility_env(3, 8, per_process=False)
 
 
+@pytest.mark.xla
 def test_num_chips_zero_is_the_default_and_negative_is_refused(tmp_path):
     assert TrainConfig(model="m").num_chips == 0
     with pytest.raises(ValueError, match=r"^--num-chips -1: must be >= 0"):
@@ -59,6 +63,7 @@ def test_num_chips_zero_is_the_default_and_negative_is_refused(tmp_path):
         TrainConfig(model="m", storage_dtype="bf16", preset="qat")
 
 
+@pytest.mark.xla
 def test_build_cache_num_chips_is_a_count_and_leaves_the_resume_fingerprint_alone():
     from qat_lora.cache.config import CacheBuildConfig
 
@@ -73,6 +78,7 @@ def test_build_cache_num_chips_is_a_count_and_leaves_the_resume_fingerprint_alon
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
 
 
+@pytest.mark.xla
 def test_chip_ranks_of_several_hosts_cover_every_sequence_once():
     hosts, chips = 3, 4
     ranks = [chip_rank(h, hosts, i, chips) for h in range(hosts) for i in range(chips)]
@@ -81,6 +87,7 @@ def test_chip_ranks_of_several_hosts_cover_every_sequence_once():
     assert chip_rank(0, 1, 2, 4) == (2, 4)  # one host: rank = chip index
 
 
+@pytest.mark.xla
 def test_shard_dim_splits_the_largest_divisible_dimension_or_replicates():
     assert shard_dim((576, 64), 4) == 0
     assert shard_dim((6, 64), 4) == 1
@@ -92,6 +99,7 @@ def _storage_student(model_dir, storage: str):
     return set_storage_dtype_(student, storage).eval()
 
 
+@pytest.mark.xla
 def test_bf16_storage_keeps_no_fp32_latent_weight_and_matches_the_fp32_student(teacher_dir):
     from qat_lora.quant.fake_quant import FakeQuantLinear, quantizer_parameters
 
@@ -128,6 +136,7 @@ def test_bf16_storage_keeps_no_fp32_latent_weight_and_matches_the_fp32_student(t
     torch.testing.assert_close(layers[0].weight, ref[0].quantized_weight().to(torch.bfloat16), rtol=0, atol=0)
 
 
+@pytest.mark.xla
 def test_selecting_chips_sets_the_variables_once_and_keeps_the_users_own(monkeypatch):
     from qat_lora.runtime import launch
 
@@ -150,6 +159,7 @@ def test_selecting_chips_sets_the_variables_once_and_keeps_the_users_own(monkeyp
     assert environ == {} and "cannot be counted" in lines[-1]
 
 
+@pytest.mark.xla
 def test_all_chips_means_one_device_off_a_tpu_host(monkeypatch):
     from qat_lora.runtime import launch
 
@@ -161,6 +171,8 @@ def test_all_chips_means_one_device_off_a_tpu_host(monkeypatch):
     assert launch.chips_to_use(0, "tpu") == 4 and launch.chips_to_use(0, "cpu") == 1
 
 
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_fsdp_without_xla_is_a_one_line_error():
     from qat_lora.train.launch import run
 

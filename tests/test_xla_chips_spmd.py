@@ -9,7 +9,6 @@ processes instead: the same per-rank build and the same merge by the launcher as
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,14 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers_xla import on_xla, require_torch_xla
 from qat_lora.cache.reader import KDCache
 from qat_lora.cache.builder import build_cache
 from qat_lora.cache.config import CacheBuildConfig
 
-if importlib.util.find_spec("torch_xla") is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch_xla is not installed; CI must install the [xla] extra")
-    pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
+require_torch_xla()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +41,9 @@ def _all_rows(cache: KDCache) -> dict[str, torch.Tensor]:
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_a_two_chip_xla_build_equals_the_one_process_build(tmp_path, teacher_dir, corpus_dir):
     flags = ("--teacher", str(teacher_dir), "--data", str(corpus_dir), "--seq-len", "32", "--encoding", "topk", "--top-k", "8",
              "--value-bits", "32", "--max-tokens", "1500", "--batch-size", "8", "--shard-sequences", "16")
@@ -102,12 +102,11 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_fsdp_keeps_a_quarter_of_the_parameter_bytes_per_device(teacher_dir):
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", SHARD, str(teacher_dir)], env=env, capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = on_xla(SHARD, str(teacher_dir), devices=4, timeout=400)
     assert report["devices"] == 4
     for spec, shards in report["shapes"]:
         assert all(shape == spec for shape in shards), (spec, shards)  # every device holds a shard of that shape
@@ -128,6 +127,9 @@ def _train(out: Path, teacher_dir, cache, devices: int, *extra: str) -> tuple[li
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], result
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_fsdp_over_four_devices_makes_the_single_device_update(tmp_path, teacher_dir, corpus_dir):
     from safetensors.torch import load_file
 
@@ -185,12 +187,12 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_a_tied_head_stays_one_tensor_on_the_device():
     # model.to(xla) makes a new Parameter per module that holds a tied one: the head would be a second copy.
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", TIED], env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = on_xla(TIED, devices=4, timeout=400)
     for name, row in report.items():
         assert row["tied"] and row["max_logit_diff"] < 1e-5, (name, row)
     assert report["replicated"]["held"] == report["replicated"]["total"]

@@ -6,33 +6,18 @@ one JSON line; the metrics are cleared before each measured call.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from helpers_xla import on_xla, require_torch_xla
 from qat_lora.cache.reader import KDCache
 from qat_lora.cache.builder import build_cache
 from qat_lora.cache.config import CacheBuildConfig
 
-if importlib.util.find_spec("torch_xla") is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch_xla is not installed; CI must install the [xla] extra")
-    pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
-
-
-def _on_xla(script: str, *args: str) -> dict:
-    """Run `script` (Python source, argv = args) on XLA:CPU; its last stdout line is the JSON it reports."""
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+require_torch_xla()
 
 
 BUILD = """
@@ -72,9 +57,11 @@ def _rows(cache: KDCache) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def xla_builds(tmp_path_factory, teacher_dir, corpus_dir):
     out = tmp_path_factory.mktemp("xla-builds")
-    return out, _on_xla(BUILD, str(teacher_dir), str(corpus_dir), str(out))
+    return out, on_xla(BUILD, str(teacher_dir), str(corpus_dir), str(out), timeout=400)
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_cache_build_on_xla_runs_one_graph_per_batch_and_compiles_once(xla_builds):
     out, report = xla_builds
     short, long = KDCache(out / "short"), KDCache(out / "long")
@@ -92,6 +79,7 @@ def test_cache_build_on_xla_runs_one_graph_per_batch_and_compiles_once(xla_build
     assert report["long"]["graph_executions"] == long_batches
 
 
+@pytest.mark.xla
 def test_xla_cache_equals_the_cpu_cache(tmp_path, xla_builds, teacher_dir, corpus_dir):
     out, _ = xla_builds
     cpu = tmp_path / "cpu"
@@ -102,6 +90,7 @@ def test_xla_cache_equals_the_cpu_cache(tmp_path, xla_builds, teacher_dir, corpu
     assert (a["topk_ids"] == b["topk_ids"]).float().mean() > 0.999  # only near-ties may swap
 
 
+@pytest.mark.xla
 def test_sampled_cache_builds_on_xla_with_the_cpu_draws(tmp_path, xla_builds, teacher_dir, corpus_dir):
     # The draws happen on the device (inverse CDF without searchsorted, which XLA lacks) from the per-row CPU
     # generators' uniforms: one graph, compiled once, no CPU fallback, and only the ids come back, in one transfer
@@ -119,6 +108,7 @@ def test_sampled_cache_builds_on_xla_with_the_cpu_draws(tmp_path, xla_builds, te
     assert same.float().mean() > 0.99
 
 
+@pytest.mark.xla
 def test_bf16_teacher_and_matmul_precision_are_recorded(xla_builds):
     out, report = xla_builds
     cache = KDCache(out / "bf16")
@@ -148,9 +138,11 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_training_int_and_lut_presets_on_xla_falls_back_to_the_cpu_for_nothing(tmp_path, teacher_dir, cache_dir):
     # searchsorted (the LUT lookup) and float() of each logged value used to run as CPU fallbacks.
-    report = _on_xla(TRAIN, str(teacher_dir), str(cache_dir), str(tmp_path))
+    report = on_xla(TRAIN, str(teacher_dir), str(cache_dir), str(tmp_path), timeout=400)
     for case, compile_report in report.items():
         assert compile_report["cpu_fallback_ops"] == [], case
         assert compile_report["graphs_compiled_after_step_2"] == 0, case
@@ -190,8 +182,10 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_a_checkpoint_leaves_the_device_in_one_transfer(tmp_path):
-    report = _on_xla(SAVE, str(tmp_path))
+    report = on_xla(SAVE, str(tmp_path), timeout=400)
     small, large = report["2"], report["20"]
     assert large["tensors"] > 5 * small["tensors"]
     for measured in (small, large):

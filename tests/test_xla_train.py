@@ -11,29 +11,13 @@ device count, SPMD mode and compile counters are process-wide), held to torch_xl
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-if importlib.util.find_spec("torch_xla") is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("torch_xla is not installed; CI must install the [xla] extra")
-    pytest.skip("torch_xla not installed (pip install 'qat-lora[xla]')", allow_module_level=True)
+from helpers_xla import on_xla, require_torch_xla
 
-
-def _on_xla(script: str, *args: str, devices: int = 1, cache_home=None) -> dict:
-    """Run `script` (Python source, argv = args) on XLA:CPU; its last stdout line is the JSON it reports."""
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "OMP_NUM_THREADS": "1"}
-    if cache_home is not None:
-        env["XDG_CACHE_HOME"] = str(cache_home)
-    result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                            timeout=500)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+require_torch_xla()
 
 
 NOTEBOOK = """
@@ -73,9 +57,11 @@ print(json.dumps(report))
 @pytest.fixture(scope="module")
 def notebook(tmp_path_factory, teacher_dir, cache_dir):
     root = tmp_path_factory.mktemp("notebook")
-    return root, _on_xla(NOTEBOOK, str(teacher_dir), str(cache_dir), str(root / "runs"), cache_home=root / "home")
+    return root, on_xla(NOTEBOOK, str(teacher_dir), str(cache_dir), str(root / "runs"), cache_home=root / "home")
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_lut_preset_twenty_steps_compile_nothing_after_step_two(notebook):
     _, report = notebook
     compiled = report["train"]["result"]
@@ -86,6 +72,7 @@ def test_lut_preset_twenty_steps_compile_nothing_after_step_two(notebook):
     assert report["train"]["transfers_from_device"] < 20, report["train"]
 
 
+@pytest.mark.xla
 def test_a_second_train_and_evaluate_in_one_process_work_and_compile_nothing_new(notebook):
     root, report = notebook
     again = report["train_again"]
@@ -99,6 +86,7 @@ def test_a_second_train_and_evaluate_in_one_process_work_and_compile_nothing_new
     assert any((root / "home" / "qat-lora" / "xla").iterdir())
 
 
+@pytest.mark.xla
 def test_matmul_precision_is_recorded_and_restored(notebook):
     root, report = notebook
     assert report["precision_after"] == "default"
@@ -119,9 +107,11 @@ print(json.dumps({**summary["compile"], "undeserializable": met.counter_value("P
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_a_fresh_process_loads_its_graphs_from_the_persistent_cache(notebook, teacher_dir, cache_dir, tmp_path):
     root, _ = notebook
-    report = _on_xla(FRESH, str(teacher_dir), str(cache_dir), str(tmp_path / "run"), cache_home=root / "home")
+    report = on_xla(FRESH, str(teacher_dir), str(cache_dir), str(tmp_path / "run"), cache_home=root / "home")
     # Every graph was found on disk under the key the first process wrote it with (none missed). XLA:CPU's PJRT
     # client cannot deserialize executables (measured: PersistentCacheDeserializeFailure), so there it compiles
     # them again; a TPU loads them (hits, nothing compiled).
@@ -154,8 +144,11 @@ print(json.dumps({"layout": layout, "compile": summary["compile"], "world_size":
 """
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_spmd_batches_arrive_sharded_as_int32_and_the_lut_step_compiles_once(teacher_dir, cache_dir, tmp_path):
-    report = _on_xla(SPMD, str(teacher_dir), str(cache_dir), str(tmp_path / "run"), devices=2)
+    report = on_xla(SPMD, str(teacher_dir), str(cache_dir), str(tmp_path / "run"), devices=2)
     layout = report["layout"]
     assert layout["input_ids"]["dtype"] == "torch.int32" and layout["topk_ids"]["dtype"] == "torch.int32"
     assert layout["topk_logprobs"]["dtype"] == "torch.float32"

@@ -54,6 +54,9 @@ def _train_flags(teacher_dir, cache_dir, out, *extra: str) -> list[str]:
             "--max-steps", "150", "--log-steps", "4", "--num-chips", "2", *extra]
 
 
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
 def test_sigterm_to_one_gloo_rank_stops_both_at_the_same_step_then_resumes(teacher_dir, cache_dir, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
@@ -96,6 +99,7 @@ def _cfg(teacher_dir, cache_dir, out, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
+@pytest.mark.xla
 def test_evaluation_runs_under_the_training_autocast(teacher_dir, cache_dir, tmp_path):
     run = tmp_path / "run"
     train(_cfg(teacher_dir, cache_dir, run, precision="bf16", eval_steps=2), log=lambda _: None)
@@ -113,6 +117,7 @@ def test_evaluation_runs_under_the_training_autocast(teacher_dir, cache_dir, tmp
     assert standalone["kd_soft_ce"] == pytest.approx(bf16["kd_soft_ce"], rel=1e-6)
 
 
+@pytest.mark.xla
 def test_evaluation_sums_stay_exact_past_the_float32_integer_range(teacher_dir, cache_dir, monkeypatch):
     # Counts per batch are exact in fp32; their total (past 2^24) is not: the sums must be taken in float64 on the
     # host (a float64 accumulator on the device would be fp32 on a TPU).
@@ -136,6 +141,7 @@ def test_evaluation_sums_stay_exact_past_the_float32_integer_range(teacher_dir, 
     assert running.item() != per_batch * batches
 
 
+@pytest.mark.xla
 def test_the_new_flags_refuse_bad_values_in_one_line(teacher_dir, cache_dir, tmp_path):
     from qat_lora.runtime.precision import default_loss_chunk_size
 

@@ -44,7 +44,7 @@ class CacheBuildConfig(TextInput, DeviceInput, PrecisionInput):
     max_tokens: int = field(default=1_000_000, metadata={"help": "token budget over both splits (0 = all)"})
     batch_size: int = field(default=8, metadata={"help": "sequences per teacher forward"})
     holdout_fraction: float = field(default=0.02, metadata={"help": "fraction of documents held out, by hash"})
-    device: str = DeviceInput.device_field()  # checked where the teacher loads (device.resolve_device)
+    device: str = DeviceInput.device_field()  # checked where the teacher loads (runtime/device.resolve_device)
     dtype: str = field(default="fp32", metadata={"help": "teacher weights and activations: fp32 or bf16 (the "
                                                          "log-softmax is fp32 either way)"})
     matmul_precision: str = PrecisionInput.matmul_precision_field()

@@ -1,6 +1,6 @@
 """The KD cache reader (DESIGN §2): a memory-mapped view of a cache folder, `cache verify` and `cache inspect`.
 
-The trainer and eval need only this module; the builder (`cache_build.py`) writes what it reads. Layout and
+The trainer and eval need only this module; the builder (`cache/builder.py`) writes what it reads. Layout and
 encodings: docs/cache-format.md.
 """
 from __future__ import annotations

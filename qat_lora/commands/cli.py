@@ -92,7 +92,8 @@ def _run_command(target: str) -> Callable[[argparse.Namespace], int | None]:
     the parsed flags become the config the function takes (the config class is set on args by build_parser)."""
     def run(args: argparse.Namespace) -> int | None:
         module, function = target.split(":")
-        return getattr(importlib.import_module(module), function)(config_from_args(args.config_class, args))
+        result = getattr(importlib.import_module(module), function)(config_from_args(args.config_class, args))
+        return result if isinstance(result, int) else None  # an exit code (train); reports (dicts, paths) are not
     return run
 
 

@@ -65,6 +65,14 @@ class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
 DATA_INITS = ("none", "act", "gptq")
 
 
+def _own_init(config: StudentSpec, purpose: str, instead: str) -> None:
+    """quantize and recover build their own init from --quant: the preset is required, --quantizer refused."""
+    if not config.quant:
+        raise ValueError(f"--quant is required: the quantisation preset to {purpose}")
+    if config.quantizer:
+        raise ValueError(f"--quantizer: {instead}")
+
+
 @dataclass
 class QuantizeConfig(StudentSpec):
     init: str = field(default="gptq", metadata={"help": "data-aware initialisation on top of the preset's own: gptq "
@@ -100,11 +108,8 @@ class QuantizeConfig(StudentSpec):
                              f"{self.calib_sequences} --calib-sequences; use at most that many")
         if not 0.0 < self.damp < 1.0:
             raise ValueError(f"--damp {self.damp}: must be in (0, 1)")
-        if not self.quant:
-            raise ValueError("--quant is required: the quantisation preset to initialise")
-        if self.quantizer:
-            raise ValueError("--quantizer: quantize builds a new init from the preset; pass its output to train, "
-                             "eval or export instead")
+        _own_init(self, "initialise", "quantize builds a new init from the preset; pass its output to train, eval "
+                  "or export instead")
         super().__post_init__()
 
 
@@ -196,11 +201,8 @@ class RecoverConfig(StudentSpec, DeviceInput):
         require_non_negative(self, "lr_probe_steps")
         require_seed(self.seed)
         self.check_device()  # it reaches the device only in stage 2, after the init has run
-        if not self.quant:
-            raise ValueError("--quant is required: the quantisation preset to recover")
-        if self.quantizer:
-            raise ValueError("--quantizer: recover builds its own init; to start from a trained quantiser use "
-                             "qat-lora train --quantizer")
+        _own_init(self, "recover", "recover builds its own init; to start from a trained quantiser use qat-lora "
+                  "train --quantizer")
         super().__post_init__()
 
 

@@ -8,7 +8,7 @@ training split (never the evaluation text): `act` re-fits each group's clipping 
 the mean squared activation of its input columns (AWQ-style), `gptq` rounds the weights column by column,
 pushing each rounding error onto the columns not yet quantised (Frantar et al., 2022; DESIGN §8). With
 `--blockwise-steps N`, each decoder block's weights and scales are then trained for N steps to reproduce the
-teacher's block outputs (blockwise.py; resumable from out/blocks/). The result
+teacher's block outputs (quant/blockwise.py; resumable from out/blocks/). The result
 is a quantiser state (and, for gptq, the moved weights as integer codes) in `quantizer.safetensors`, which
 train, eval and export load with `--quantizer`.
 """

@@ -25,7 +25,7 @@ from torch import nn
 
 from qat_lora.runtime.files import save_safetensors
 from qat_lora.export.tensors import full_precision_tensors  # full-precision tensors, tied head skipped
-from qat_lora.quant.fake_quant import FakeQuantLinear
+from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.config import QuantConfig
 
 CT_DIR = "compressed-tensors"
@@ -116,7 +116,7 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, quant: QuantC
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = next(model.parameters()).dtype
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+    layers = quantised_layers(model)
     tensors, groups = {}, {}
     for name, layer in layers.items():
         parts, symmetric = _layer_tensors(name, layer, dtype)

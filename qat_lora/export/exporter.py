@@ -10,7 +10,7 @@
 naming it (the model's own config sits inside, under `base_config`).
 `load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
 `dense/` is a plain `save_pretrained` folder of the dequantised weights: transformers loads it without qat_lora.
-`--format gguf` writes `gguf/model.gguf` instead (gguf_export.py): llama.cpp's types, bit-exact for q8_0 / q4_0 / q4_1.
+`--format gguf` writes `gguf/model.gguf` instead (gguf/writer.py): llama.cpp's types, bit-exact for q8_0 / q4_0 / q4_1.
 """
 from __future__ import annotations
 
@@ -258,7 +258,7 @@ def byte_breakdown(model: nn.Module) -> dict[str, int]:
 
 
 def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Callable[[str], None]):
-    """The adapter's way into the export (export_merge.py): beside the base (adapter/), merged into the grid,
+    """The adapter's way into the export (merge.py): beside the base (adapter/), merged into the grid,
     and/or merged in full precision (merged-fp/); held-out metrics and verdicts when --cache is given.
     Returns (the student without PEFT wrappers, report)."""
     info: dict = {}

@@ -19,7 +19,7 @@ from torch import nn
 
 from qat_lora.cache.reader import KDCache
 from qat_lora.train.metrics import kd_metrics
-from qat_lora.quant.fake_quant import FakeQuantLinear
+from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 
 KEEP_THRESHOLD = 0.5  # a merge that keeps less than half of the adapter's gain is not called good
 
@@ -68,7 +68,7 @@ def merge_full_(peft_model) -> nn.Module:
         linear.weight.data = base.quantized_weight() + _delta(module, base)
         module.base_layer = linear
     model = peft_model.unload()
-    for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)]:
+    for name, layer in quantised_layers(model).items():  # collected before the loop replaces them
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer.to_linear())
     return model

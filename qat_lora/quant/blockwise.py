@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 
 from qat_lora.quant import blocks
 from qat_lora.runtime.files import atomic_write_json, save_safetensors
-from qat_lora.quant.fake_quant import FakeQuantLinear
+from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.inits import SCALE_FLOOR, snap_fp16
 from qat_lora.quant.state import CODES_KEY, quantizer_state_dict
 
@@ -79,7 +79,7 @@ def _run(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[int, dict], batch_
 
 
 def _fake_quant_modules(layer: nn.Module) -> list[FakeQuantLinear]:
-    return [m for m in layer.modules() if isinstance(m, FakeQuantLinear)]
+    return list(quantised_layers(layer).values())
 
 
 def _grid_name(module: FakeQuantLinear) -> str:

@@ -30,7 +30,7 @@ from qat_lora.quant import blocks
 from qat_lora.quant import kquant
 
 from qat_lora.quant import inits as quant_init
-from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig
+from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, quantised_layers
 
 
 class _GroupGrid:
@@ -279,10 +279,6 @@ def _write_(module: FakeQuantLinear, result: dict[str, torch.Tensor]) -> None:
     module._cached_wq = None
 
 
-def _fake_quant_modules(layer: nn.Module) -> dict[str, FakeQuantLinear]:
-    return {n: m for n, m in layer.named_modules() if isinstance(m, FakeQuantLinear)}
-
-
 def _quantize_module(module: FakeQuantLinear, h: torch.Tensor, damp: float, act_order: bool) -> dict:
     """GPTQ one FakeQuantLinear in place; returns its errors before (previous init) and after, and seconds."""
     start = time.perf_counter()
@@ -323,7 +319,7 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
     inputs = blocks.capture_block_inputs(model, calibration_batches)
     report: dict[str, dict] = {}
     for index, layer in enumerate(blocks.decoder_layers(model)):
-        modules = _fake_quant_modules(layer)
+        modules = quantised_layers(layer)
         if modules:
             with full_precision(list(modules.values())):
                 hessians = collect_hessians(layer, inputs, modules)

@@ -293,7 +293,7 @@ def hqq_scale_zero(weight: torch.Tensor, bits: int, symmetric: bool, group_size:
 
     1. Zero, at the min/max scale (the published algorithm): W_e = shrink_lp(W - Wq(z)), then
        z = mean(Q - (W - W_e) / s), beta growing by kappa each iteration.
-    2. The forward rounds the zero (`quant.fake_quantize`) and the export stores it as an integer, which undoes
+    2. The forward rounds the zero (`grid.fake_quantize`) and the export stores it as an integer, which undoes
        step 1 at a fixed scale (on SmolLM2-135M the rounded HQQ zero never beat RTN's in squared error, in any
        group). So the zero is rounded here and the same loop then fits the scale with that zero fixed:
        s = <W - W_e, Q - z> / |Q - z|^2. Symmetric grids have no zero: they run this step only.

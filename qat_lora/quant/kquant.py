@@ -81,7 +81,8 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> tor
 def fake_quantize_kquant(weight: torch.Tensor, cfg: QuantConfig, hold_codes: bool = False,
                          **params: torch.Tensor) -> torch.Tensor:
     """The K-quant Wq of weight [out, in] (STE through the codes, the sub-block integers and d / dmin); with
-    `hold_codes` the codes see s and m detached, so they get d Wq / d s = q, d Wq / d m = -1 (quant.py's docstring)."""
+    `hold_codes` the codes see s and m detached, so they get d Wq / d s = q, d Wq / d m = -1 (fake_quant.py's
+    docstring)."""
     s, m = sub_block_grid(cfg, **params)
     q = _codes(weight, s.detach(), None if m is None else m.detach(), cfg.qmin, cfg.qmax) if hold_codes else \
         _codes(weight, s, m, cfg.qmin, cfg.qmax)

@@ -6,7 +6,7 @@ lowers to on each device.
 Components stay device-agnostic and call these helpers. Precision and autocast live in precision.py, the XLA
 runtime (torch_xla on demand, compile counters and cache, every private torch_xla call) in xla.py, the host
 allocator in host.py; the collectives of several processes in distributed.py, and how processes start in
-launch.py. torch_xla is imported lazily, only when the XLA device is asked for.
+runtime/launch.py. torch_xla is imported lazily, only when the XLA device is asked for.
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def device_batches(batches: Iterator[dict[str, torch.Tensor]], device: torch.dev
 
     # The loader would cut the graph (torch_xla.sync) before handing out each batch; the trainer cuts it itself,
     # once per micro-step, and a trainable quantiser's Wq is traced before the first batch of a step is taken
-    # (quant.quantized_weights_once_per_step): a cut there would make it a graph of its own.
+    # (quant/fake_quant.quantized_weights_once_per_step): a cut there would make it a graph of its own.
     never_sync = sys.maxsize
     loader = pl.ParallelLoader(map(_narrow_ids, batches), [device], input_sharding=sharding,
                                batches_per_execution=never_sync, loader_prefetch_size=4, device_prefetch_size=2)

@@ -3,7 +3,7 @@
 The trainer uses `rank`, `world_size`, `local_rank`, `data_parallel`, `is_master`, `reduce_gradients(optimizer)`
 (mean over ranks), `rendezvous(tag)`, `input_sharding(dims)`, `all_gather(tensor)`, `agree(stop, finite)`,
 `shutdown()` and `describe()`; which backend plays them is chosen here (DESIGN §6). Starting the processes is
-launch.py's job.
+runtime/launch.py's job.
 
 - `Backend`: one process; every collective is a no-op.
 - `TorchDistributedBackend`: NCCL (CUDA) or gloo (CPU) processes, started by `launch.launch_local`

@@ -5,7 +5,7 @@
         metrics.jsonl          one JSON record per logged step / evaluation
         adapter/               LoRA adapters, standard PEFT files (presets with LoRA)
         quantizer.safetensors  trained scales / zeros / codebooks (presets with QAT)
-        checkpoint-N/          resumable training state (see checkpoint.py)
+        checkpoint-N/          resumable training state (see train/checkpoint.py)
         best/                  artefacts of the best held-out evaluation
         summary.json           written when the run finishes
         compile_report.json    XLA only: graphs compiled, recompiles, CPU fallbacks
@@ -113,7 +113,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 class MetricsLog:
     """The run's metrics: one JSON record per line in `metrics.jsonl`, and each record handed to the reporters
-    `--report-to` opened (reporting.py: TensorBoard, wandb).
+    `--report-to` opened (train/reporting.py: TensorBoard, wandb).
 
     A resumed run first drops the records after its checkpoint (they are redone, so the file ends as an
     uninterrupted run's).

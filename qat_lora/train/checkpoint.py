@@ -200,7 +200,7 @@ def find_resume_point(run_dir: Path, resume: str, log: Callable[[str], None] = p
     return path
 
 
-# What a run's values depend on beyond its flags (train.run_inputs): the flag that names each, for the messages.
+# What a run's values depend on beyond its flags (run.run_inputs): the flag that names each, for the messages.
 INPUT_FLAGS = {"model": "--model", "cache": "--cache", "quantizer": "--quantizer", "teacher": "--online-teacher"}
 
 

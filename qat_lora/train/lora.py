@@ -20,12 +20,7 @@ from qat_lora.quant import blocks
 from qat_lora.data import models
 from qat_lora.quant.calibration import calibration_batches
 from qat_lora.quant.gptq import collect_hessians
-from qat_lora.quant.fake_quant import FakeQuantLinear
-
-
-def quantized_module_names(model: nn.Module) -> list[str]:
-    """Full names of every FakeQuantLinear in `model`."""
-    return [name for name, module in model.named_modules() if isinstance(module, FakeQuantLinear)]
+from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 
 
 def add_recovery_lora_(model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0):
@@ -40,7 +35,7 @@ def add_recovery_lora_(model: nn.Module, r: int = 16, alpha: float = 32.0, dropo
 
     if r <= 0:
         raise ValueError(f"--lora-r {r}: must be positive")
-    names = quantized_module_names(model)
+    names = list(quantised_layers(model))
     if not names:
         raise ValueError("add_recovery_lora_: the model has no quantised linear; call quantize_(model, preset) first")
     # Short leaf names ("q_proj", ...) keep adapter_config.json portable; fall back to full names when a

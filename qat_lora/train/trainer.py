@@ -10,7 +10,7 @@ checkpoint, runs (folder layout, metrics log, stop signal), distributed (collect
 
     qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64 --max-steps 200
     qat-lora train --preset qat+lora ... --save-steps 50 --resume auto     # preemptible: rerun the same line
-    qat-lora train --num-chips 2 --device cpu ...                           # gloo ranks (see launch.py)
+    qat-lora train --num-chips 2 --device cpu ...                           # gloo ranks (see train/launch.py)
     qat-lora train --online-teacher T --cache caches/kd ...                 # targets computed in the step
 
 `--online-teacher T`: a teacher that fits beside the student runs in every micro-step (frozen, no gradient, same

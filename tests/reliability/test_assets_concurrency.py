@@ -77,6 +77,7 @@ def _teacher_tags(root: Path) -> set[str]:
     return {(root / assets.TEACHER_DIR / name).read_text() for name in assets.TEACHER_FILES}
 
 
+@pytest.mark.multiprocess
 def test_two_fetches_at_once_build_once_and_keep_one_complete_teacher(tmp_path):
     root = tmp_path / "assets"
     child = FAKES + "DELAY, TAG, FAIL_CONVERT = 0.3, sys.argv[2], False\nA.fetch_assets(sys.argv[1])\n"

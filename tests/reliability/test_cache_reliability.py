@@ -167,6 +167,8 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("fault", ["sigterm-launcher", "sigkill-builder"])
 def test_a_stop_signal_ends_a_multi_chip_build_with_143_and_resume_completes_it(fault, teacher_dir, corpus_dir,
                                                                                  tmp_path, capsys):
@@ -283,6 +285,7 @@ def test_generate_data_stamps_its_report_and_never_writes_among_a_users_files(te
         assert [p.name for p in mine.iterdir()] == [name] and (mine / name).read_text() == text
 
 
+@pytest.mark.multiprocess
 def test_a_builder_among_several_clears_only_its_own_rank_s_temp_files(teacher_dir, corpus_dir, tmp_path):
     from qat_lora.cache.builder import prepare_out
     from qat_lora.cache.config import CacheBuildConfig

@@ -24,6 +24,7 @@ SCRIPTS = {"build_kd_cache.py": "--teacher", "train_recovery_lora.py": "--model"
            "train_recovery_lora_multi.py": "--model", "eval_perplexity.py": "--model"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_help_shows_its_name_true_defaults_required_flags_and_version(script):
     def run(*args):
@@ -46,6 +47,8 @@ def test_qat_lora_version():
     assert stop.value.code == 0
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_single_process_build_names_no_rank_warns_of_a_one_sequence_holdout_and_no_xla_noise(teacher_dir, corpus_dir,
                                                                                               tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "USE_TORCH_XLA")}
@@ -70,6 +73,7 @@ def test_eval_shows_progress(teacher_dir, corpus_dir, cache_dir, capsys):
     assert "perplexity: 100%" in err and "KD metrics (heldout): 100%" in err
 
 
+@pytest.mark.slow
 def test_demo_stopped_by_sigterm_names_a_command_that_continues_it(tmp_path, teacher_dir, corpus_dir, monkeypatch,
                                                                    capsys):
     assets = Assets(root=tmp_path, teacher_dir=teacher_dir, train_text_dir=corpus_dir, eval_text=corpus_dir / "b.txt")

@@ -43,6 +43,8 @@ def _wait_for(path: Path, launcher: subprocess.Popen, deadline_s: float = 240) -
         time.sleep(0.2)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("fault, message", [
     (signal.SIGSTOP, "rank 1 stopped responding (the others gave up waiting for it after --dist-timeout-s)"),
     (signal.SIGKILL, "rank 1 was killed by SIGKILL"),

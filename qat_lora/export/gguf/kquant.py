@@ -1,6 +1,6 @@
 """The byte layout of llama.cpp's K-quant blocks (ggml-common.h: block_q2_K, block_q3_K, block_q4_K, block_q6_K),
 written from a K-quant student's own codes, integer sub-block scales / mins and fp16 super-block scales, so that
-gguf's dequantiser returns the student's Wq bit for bit (gguf_export.py writes the file).
+gguf's dequantiser returns the student's Wq bit for bit (writer.py writes the file).
 
 Per 256-weight super-block, in file order (bit j of a byte: `>> j`):
     Q2_K (84 B):  scales[16] (sc low nibble, m high) | qs[64] | d | dmin

@@ -6,19 +6,19 @@
 
 Written as llama.cpp's convert_lora_to_gguf lays it out: general.type "adapter", adapter.type "lora",
 adapter.lora.alpha; per adapted linear `<base tensor name>.lora_a` (A, [r, in]) and `.lora_b` (B, [out, r]) in
-F32, where llama.cpp adds (alpha / r) * B @ A x. The base's names and q/k row order come from gguf_arch's
+F32, where llama.cpp adds (alpha / r) * B @ A x. The base's names and q/k row order come from arch.py's
 `tensor_naming`, so B's rows (for the Llama layout: Llama, Mistral) follow the permuted rows of the base weight
 they adapt; Phi-3's fused qkv_proj / gate_up_proj are adapted as the single matrices llama.cpp stores.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from qat_lora.export.gguf.arch import _gguf, gguf_architecture, tensor_naming
+from qat_lora.export.gguf.writer import gguf_file
 
 ADAPTER_FILE = "adapter.gguf"
 
@@ -59,23 +59,16 @@ def save_gguf_lora(peft_model, out_dir: str | Path, name: str = "recovery-lora")
     if len(ratios) != 1:
         raise ValueError("--format gguf: the adapter's layers use different alpha / rank; llama.cpp stores one alpha, "
                          "use --merge-adapter or the PEFT adapter/")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path, tmp = out_dir / ADAPTER_FILE, out_dir / (ADAPTER_FILE + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    writer.add_type(gguf.GGUFType.ADAPTER)
-    writer.add_name(name)
-    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     alpha = layers[0][3]
-    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-    for prefix, a, b, _ in layers:
-        base = gguf_name(f"{prefix}.weight")
-        writer.add_tensor(f"{base}.lora_a", np.ascontiguousarray(a, dtype=np.float32))
-        writer.add_tensor(f"{base}.lora_b", np.ascontiguousarray(permuted(f"{prefix}.weight", b), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
+    with gguf_file(out_dir, ADAPTER_FILE, arch) as (writer, path):
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_name(name)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+        for prefix, a, b, _ in layers:
+            base = gguf_name(f"{prefix}.weight")
+            writer.add_tensor(f"{base}.lora_a", np.ascontiguousarray(a, dtype=np.float32))
+            writer.add_tensor(f"{base}.lora_b",
+                              np.ascontiguousarray(permuted(f"{prefix}.weight", b), dtype=np.float32))
     return {"file": str(path), "bytes": path.stat().st_size, "alpha": alpha, "rank": int(layers[0][1].shape[0]),
             "tensors": 2 * len(layers)}

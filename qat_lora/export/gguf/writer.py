@@ -7,26 +7,28 @@ here (ggml-common.h): Q8_0 = fp16 d + 32 int8 q (w = d * q); Q4_0 = fp16 d + 16 
 (w = d * (c - 8)); Q4_1 = fp16 d + fp16 m + 16 bytes (w = d * c + m); nibble j holds code j (low) and code
 j + 16 (high). A quantised linear whose grid IS one of these types (the q8_0 / q4_0 / q4_1 presets) is written
 from its own codes and fp16 scales, and a K-quant layer (q2_k / q3_k / q4_k / q6_k) from its codes, integer
-sub-block scales and mins and fp16 super-block scales (gguf_kquant.py), so gguf's dequantiser returns the
+sub-block scales and mins and fp16 super-block scales (kquant.py), so gguf's dequantiser returns the
 student's Wq bit for bit; any other grid is re-quantised (to Q4_1 keeping the codes for 4-bit int groups of
 32, else to Q8_0 by gguf's quantiser) and the summary reports each layer's relative error. Every layer is
 checked by dequantising what was written. Metadata: copied from the teacher's GGUF when the model came from
 one (the quantisation keys are ours); otherwise as llama.cpp's convert_hf_to_gguf writes them for each family of
 GGUF_ARCHITECTURES (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3: `<arch>.*` hyper-parameters, tensor names and
-transforms in gguf_arch.py) with the tokenizer as it writes it (byte-level BPE or SentencePiece: gguf_vocab.py);
+transforms in arch.py) with the tokenizer as it writes it (byte-level BPE or SentencePiece: vocab.py);
 1-D tensors (norms, biases) F32, other full-precision matrices (embeddings, an untied head) F16.
 """
 from __future__ import annotations
 
 import os
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
-# The family table, naming and tokenizer live in gguf_arch.py / gguf_vocab.py; re-exported here, where the export
+# The family table, naming and tokenizer live in arch.py / vocab.py; re-exported here, where the export
 # and tests/test_families.py look for them.
 from qat_lora.export.gguf.arch import (  # noqa: F401
     GGUF_ARCHITECTURES, GGUFFamily, _gguf, add_metadata, full_precision, gguf_architecture, tensor_naming)
@@ -38,6 +40,22 @@ from qat_lora.quant.inits import snap_fp16
 
 GGUF_DIR, GGUF_FILE = "gguf", "model.gguf"
 BLOCK = 32  # weights per block of Q8_0 / Q4_0 / Q4_1
+
+
+@contextmanager
+def gguf_file(out_dir: str | Path, file_name: str, arch: str) -> Iterator[tuple[object, Path]]:
+    """A GGUFWriter for `out_dir/file_name` (the folder made if missing) and that path: what the block adds is
+    written under a temporary name, then renamed into place, so the path never holds a half-written file."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path, tmp = out_dir / file_name, out_dir / (file_name + ".tmp")
+    writer = _gguf().GGUFWriter(str(tmp), arch)
+    yield writer, path
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
 
 
 def exact_type(layer: FakeQuantLinear) -> str | None:
@@ -80,7 +98,7 @@ def pack_blocks(codes: np.ndarray, d: np.ndarray, qtype: str, m: np.ndarray | No
 def _layer_blocks(layer: FakeQuantLinear) -> tuple[str, np.ndarray]:
     """(type, blocks [out, bytes]) for one quantised linear: exact for llama.cpp grids, else re-quantised."""
     gguf = _gguf()
-    if layer.cfg.scheme == "kquant":  # Q2_K / Q3_K / Q4_K / Q6_K: always exact (gguf_kquant.py)
+    if layer.cfg.scheme == "kquant":  # Q2_K / Q3_K / Q4_K / Q6_K: always exact (kquant.py)
         return kquant_blocks(layer)
     qtype = exact_type(layer)
     codes = layer.codes().numpy().astype(np.int16) + layer.cfg.qmin  # [out, in]: the integer q of the grid
@@ -150,49 +168,41 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
          "bits_per_weight", "max_rel_error",
          "layers": {name: {"type", "exact" (gguf dequantises to Wq bit for bit), "rel_error": ||deq - Wq|| / ||Wq||}}}.
     Raises:
-        ValueError: another architecture or a setting llama.cpp computes differently (gguf_arch.gguf_architecture),
+        ValueError: another architecture or a setting llama.cpp computes differently (arch.gguf_architecture),
             a tokenizer llama.cpp would split differently, no gguf.
     """
     gguf = _gguf()
     config = model.config
     arch = gguf_architecture(config).arch
     gguf_name, permuted = tensor_naming(config)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path, tmp = out_dir / GGUF_FILE, out_dir / (GGUF_FILE + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    if teacher_gguf:
-        _copy_teacher_metadata(writer, teacher_gguf, config)
-    else:
-        add_metadata(writer, config, name)
-        add_tokenizer(writer, tokenizer, config.vocab_size)
-    layers = quantised_layers(model)
-    report: dict = {"layers": {}}
-    stored_bits = weights = 0  # the quantised linears' bits per weight as stored (Q4_0: 4.5, Q4_K: 4.5, ...)
-    for layer_name, layer in layers.items():
-        qtype, blocks = _layer_blocks(layer)
-        blocks = permuted(f"{layer_name}.weight", blocks)
-        exact, err = _check(blocks, qtype, torch.from_numpy(permuted(
-            f"{layer_name}.weight", layer.quantized_weight().detach().float().numpy())))
-        writer.add_tensor(gguf_name(f"{layer_name}.weight"), blocks,
-                          raw_dtype=None if qtype == "F16" else getattr(gguf.GGMLQuantizationType, qtype))
-        report["layers"][layer_name] = {"type": qtype, "exact": exact, "rel_error": err}
-        stored_bits += blocks.nbytes * 8
-        weights += layer.weight.numel()
-    for key, tensor in full_precision_tensors(model, layers).items():  # 1-D F32, matrices F16; a tied head: none
-        x = full_precision(config, key, tensor.float().numpy())
-        writer.add_tensor(gguf_name(key), x.astype(np.float32 if x.ndim == 1 else np.float16))
-    types = Counter(v["type"] for v in report["layers"].values())
-    file_type = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q2_K": "MOSTLY_Q2_K",
-                 "Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S", "Q6_K": "MOSTLY_Q6_K"}.get(
-        types.most_common(1)[0][0] if types else "F16", "MOSTLY_F16")
-    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
+    with gguf_file(out_dir, GGUF_FILE, arch) as (writer, path):
+        if teacher_gguf:
+            _copy_teacher_metadata(writer, teacher_gguf, config)
+        else:
+            add_metadata(writer, config, name)
+            add_tokenizer(writer, tokenizer, config.vocab_size)
+        layers = quantised_layers(model)
+        report: dict = {"layers": {}}
+        stored_bits = weights = 0  # the quantised linears' bits per weight as stored (Q4_0: 4.5, Q4_K: 4.5, ...)
+        for layer_name, layer in layers.items():
+            qtype, blocks = _layer_blocks(layer)
+            blocks = permuted(f"{layer_name}.weight", blocks)
+            exact, err = _check(blocks, qtype, torch.from_numpy(permuted(
+                f"{layer_name}.weight", layer.quantized_weight().detach().float().numpy())))
+            writer.add_tensor(gguf_name(f"{layer_name}.weight"), blocks,
+                              raw_dtype=None if qtype == "F16" else getattr(gguf.GGMLQuantizationType, qtype))
+            report["layers"][layer_name] = {"type": qtype, "exact": exact, "rel_error": err}
+            stored_bits += blocks.nbytes * 8
+            weights += layer.weight.numel()
+        for key, tensor in full_precision_tensors(model, layers).items():  # 1-D F32, matrices F16; a tied head: none
+            x = full_precision(config, key, tensor.float().numpy())
+            writer.add_tensor(gguf_name(key), x.astype(np.float32 if x.ndim == 1 else np.float16))
+        types = Counter(v["type"] for v in report["layers"].values())
+        file_type = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q2_K": "MOSTLY_Q2_K",
+                     "Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S", "Q6_K": "MOSTLY_Q6_K"}.get(
+            types.most_common(1)[0][0] if types else "F16", "MOSTLY_F16")
+        writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     report.update(file=str(path), arch=arch, bytes=path.stat().st_size, file_type=file_type, types=dict(types),
                   exact_layers=sum(v["exact"] for v in report["layers"].values()),
                   bits_per_weight=stored_bits / max(weights, 1),
