@@ -16,6 +16,8 @@ import pytest
 
 from conftest import synthetic_text
 
+pytestmark = pytest.mark.notebook  # every test here reads or executes notebooks/
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 900
@@ -89,8 +91,6 @@ def _assert_chain(work: Path, run: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.notebook
-@pytest.mark.xla
 def test_01_quickstart_runs_the_chain_on_the_cpu(tmp_path, tiny):
     work, _ = _execute("01_quickstart.ipynb", tmp_path, {**tiny, "DEVICE": "cpu", "MAX_STEPS": 6, "EVAL_STEPS": 3})
     run = work / "run-w3g64"
@@ -104,7 +104,6 @@ def test_01_quickstart_runs_the_chain_on_the_cpu(tmp_path, tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.notebook
 @pytest.mark.xla
 def test_02_tpu_single_chip_stops_resumes_and_reports_compiles_on_xla(tmp_path, tiny):
     _xla_or_skip()
@@ -128,7 +127,6 @@ def test_02_tpu_single_chip_stops_resumes_and_reports_compiles_on_xla(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.notebook
 @pytest.mark.xla
 @pytest.mark.multiprocess
 def test_03_multi_chip_builds_on_two_devices_trains_spmd_and_plots_throughput(tmp_path, tiny):
@@ -154,7 +152,6 @@ def test_03_multi_chip_builds_on_two_devices_trains_spmd_and_plots_throughput(tm
 _LOCAL_PATH = re.compile(r"(?<![\w.])(/home/|/Users/|/tmp/|/work/|/root/|/var/|[A-Z]:\\\\)")
 
 
-@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_stored_notebook_is_clean(path):
     nb = nbformat.read(path, as_version=4)
@@ -167,7 +164,6 @@ def test_stored_notebook_is_clean(path):
     assert not re.search(r"(?i)(api[_-]?key|token\s*=\s*['\"][A-Za-z0-9_]{16,}|hf_[A-Za-z0-9]{20,})", text)
 
 
-@pytest.mark.notebook
 def test_there_are_three_notebooks():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_tpu_single_chip.ipynb", "03_multi_chip.ipynb"]
 
@@ -214,8 +210,6 @@ def _run_install_cell(monkeypatch, env: dict, installed_xla: str | None, colab: 
     return calls
 
 
-@pytest.mark.notebook
-@pytest.mark.xla
 def test_install_cell_pins_torch_xla_to_the_runtimes_torch(monkeypatch):
     import torch
 
@@ -235,6 +229,5 @@ def test_install_cell_pins_torch_xla_to_the_runtimes_torch(monkeypatch):
         [f"torch=={version}", f"torch-xla[tpu]=={version}"]]
 
 
-@pytest.mark.notebook
 def test_notebooks_share_one_install_cell():
     assert len({_install_cell(p) for p in NOTEBOOKS}) == 1
