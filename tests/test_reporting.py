@@ -28,6 +28,7 @@ def _logged(run_folder) -> bytes:
     return next(run_folder.glob("run-*.wandb")).read_bytes()
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_and_resume_keep_one_run_id(teacher_dir, cache_dir, tmp_path, monkeypatch):
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT"):
         monkeypatch.delenv(var, raising=False)

@@ -348,6 +348,7 @@ backend.rendezvous("end")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rank_that_raises_makes_every_rank_exit_nonzero(tmp_path):
     started = time.monotonic()

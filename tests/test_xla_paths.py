@@ -79,6 +79,7 @@ def test_cache_build_on_xla_runs_one_graph_per_batch_and_compiles_once(xla_build
     assert report["long"]["graph_executions"] == long_batches
 
 
+@pytest.mark.slow
 @pytest.mark.xla
 def test_xla_cache_equals_the_cpu_cache(tmp_path, xla_builds, teacher_dir, corpus_dir):
     out, _ = xla_builds
@@ -90,6 +91,7 @@ def test_xla_cache_equals_the_cpu_cache(tmp_path, xla_builds, teacher_dir, corpu
     assert (a["topk_ids"] == b["topk_ids"]).float().mean() > 0.999  # only near-ties may swap
 
 
+@pytest.mark.slow
 @pytest.mark.xla
 def test_sampled_cache_builds_on_xla_with_the_cpu_draws(tmp_path, xla_builds, teacher_dir, corpus_dir):
     # The draws happen on the device (inverse CDF without searchsorted, which XLA lacks) from the per-row CPU
@@ -108,6 +110,7 @@ def test_sampled_cache_builds_on_xla_with_the_cpu_draws(tmp_path, xla_builds, te
     assert same.float().mean() > 0.99
 
 
+@pytest.mark.slow
 @pytest.mark.xla
 def test_bf16_teacher_and_matmul_precision_are_recorded(xla_builds):
     out, report = xla_builds

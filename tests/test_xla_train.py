@@ -72,6 +72,7 @@ def test_lut_preset_twenty_steps_compile_nothing_after_step_two(notebook):
     assert report["train"]["transfers_from_device"] < 20, report["train"]
 
 
+@pytest.mark.slow
 @pytest.mark.xla
 def test_a_second_train_and_evaluate_in_one_process_work_and_compile_nothing_new(notebook):
     root, report = notebook
@@ -86,6 +87,7 @@ def test_a_second_train_and_evaluate_in_one_process_work_and_compile_nothing_new
     assert any((root / "home" / "qat-lora" / "xla").iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.xla
 def test_matmul_precision_is_recorded_and_restored(notebook):
     root, report = notebook
