@@ -15,7 +15,7 @@ def full_precision_tensors(model: nn.Module, layers: dict[str, FakeQuantLinear])
     skip = {f"{n}.{k}" for n, layer in layers.items() for k in ("weight", *layer.quant_parameters())}
     out, seen = {}, set()
     for key, tensor in model.state_dict().items():
-        if key in skip or tensor.data_ptr() in seen:
+        if key in skip or (tensor.numel() and tensor.data_ptr() in seen):  # empty tensors all point at 0
             continue
         seen.add(tensor.data_ptr())
         out[key] = tensor.detach().cpu().contiguous()
