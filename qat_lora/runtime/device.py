@@ -30,8 +30,9 @@ def tpu_present() -> bool:
 def resolve_device(name: str = "auto") -> torch.device:
     """Map a --device value to a torch.device.
 
-    auto picks a TPU (through torch_xla), then CUDA, then the CPU. `xla` is any PJRT device
-    (PJRT_DEVICE=CPU gives XLA on the host CPU, which is how the XLA path is tested without a TPU).
+    auto picks a TPU (through torch_xla), then CUDA, then the CPU. `xla` is the PJRT device the environment
+    names, else the host's TPU, else XLA on the host CPU (PJRT_DEVICE=CPU: how the XLA path is tested without a
+    TPU); it never overrides a PJRT_DEVICE already set.
 
     Raises:
         ValueError: unknown name, or an explicit device that is not available here.
@@ -53,7 +54,9 @@ def resolve_device(name: str = "auto") -> torch.device:
                              "(torch-xla X.Y needs torch X.Y)")
         if name == "tpu" and not tpu_present():
             raise ValueError("--device tpu: no TPU found on this host; use --device xla with PJRT_DEVICE=CPU to test XLA")
-        return xla.start_device("TPU" if name == "tpu" else "CPU")
+        # --device xla is whatever XLA device the host has: a PJRT_DEVICE already set wins (start_device never
+        # changes it), else the TPU of a TPU host, else the host CPU (how XLA is tested without a TPU).
+        return xla.start_device("TPU" if name == "tpu" or tpu_present() else "CPU")
     return torch.device(name)
 
 
@@ -83,19 +86,6 @@ def sync(device: torch.device) -> None:
         import torch_xla
 
         torch_xla.sync()
-
-
-def add_step_closure(device: torch.device, fn: Callable[[], None]) -> None:
-    """Run `fn` once the current step's values exist: after the next sync on XLA, at once elsewhere.
-
-    Reading tensors inside `fn` (e.g. `.item()`) then costs no extra graph execution on XLA.
-    """
-    if is_xla(device):
-        import torch_xla.core.xla_model as xm
-
-        xm.add_step_closure(fn)
-    else:
-        fn()
 
 
 def seed_everything(seed: int) -> None:

@@ -68,15 +68,18 @@ class Backend:
     # Agreement steps are few (trainer: every --log-steps and --save-steps), so a rank that alone received a
     # stop signal is joined by the others at the same step, before any save collective (no deadlock), and no
     # step in between pays a collective or a host read for it.
-    def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
-        """(some rank was asked to stop, every rank's run is finite): ONE max-reduction of both flags and ONE
-        host read. Every rank must call it at the same steps.
+    def agree(self, stop: bool, stats: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
+        """(some rank was asked to stop, every rank's run is finite, this rank's `stats` on the host): ONE
+        max-reduction of both flags and ONE host read, which brings the step's statistics with it (the trainer's
+        log needs no read of its own). Every rank must call it at the same steps.
 
         Args:
             stop: this rank received SIGTERM / SIGINT.
-            finite: device bool, every loss and gradient norm of this rank so far was finite.
+            stats: float32 device vector of this rank's step statistics whose LAST entry is 1.0 while every loss
+                and gradient norm of this rank so far was finite (0.0 once one was not).
         """
-        return stop, bool(dev.to_host([finite])[0])
+        host = dev.to_host([stats])[0]
+        return stop, bool(host[-1] > 0.5), host
 
     def shutdown(self) -> None:
         """Release the process group (end of training)."""
@@ -132,12 +135,12 @@ class TorchDistributedBackend(Backend):
         self._dist.all_gather(out, local)
         return [t.cpu() for t in out]
 
-    def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
-        flags = torch.stack([torch.tensor(int(stop), dtype=torch.int32, device=self._comm),
-                             (~finite).to(self._comm, torch.int32)])
+    def agree(self, stop: bool, stats: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
+        local = stats.to(self._comm, torch.float32)  # gloo under XLA SPMD hosts: this copy is the one host read
+        flags = torch.stack([torch.tensor(float(stop), device=self._comm), 1.0 - local[-1]])  # (stop, diverged)
         self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX)
-        stopping, diverged = flags.tolist()  # the one host read
-        return bool(stopping), not diverged
+        host = torch.cat([local, flags]).cpu()  # NCCL: the one host read (CPU tensors: no copy)
+        return bool(host[-2] > 0.5), not bool(host[-1] > 0.5), host[:-2]
 
     def shutdown(self) -> None:
         self._dist.destroy_process_group()
@@ -172,13 +175,14 @@ class XlaBackend(Backend):
         gathered = self._xm.all_gather(row, dim=0).cpu()
         return [r.to(tensor.dtype).reshape(tensor.shape) for r in gathered]
 
-    def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
+    def agree(self, stop: bool, stats: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
         # A preemption signals the hosts at different moments: a rank deciding alone would start the save's
         # rendezvous while the others enter the next step's all-reduce, and both would wait forever.
-        # int32: narrow integer collectives are not lowered on every TPU generation.
-        flags = torch.stack([torch.tensor(int(stop), dtype=torch.int32).to(finite.device), (~finite).to(torch.int32)])
-        stopping, diverged = dev.to_host([self._xm.all_reduce(self._xm.REDUCE_MAX, flags)])[0].tolist()
-        return bool(stopping), not diverged
+        # float32 flags: narrow integer collectives are not lowered on every TPU generation.
+        flags = torch.stack([torch.tensor(float(stop)).to(stats.device), 1.0 - stats[-1]])  # (stop, diverged)
+        reduced = self._xm.all_reduce(self._xm.REDUCE_MAX, flags)
+        host = dev.to_host([torch.cat([stats, reduced])])[0]  # the one host read
+        return bool(host[-2] > 0.5), not bool(host[-1] > 0.5), host[:-2]
 
     def describe(self) -> str:
         return f"torch_xla replicas, rank {self.rank} of {self.world_size}"
@@ -249,8 +253,8 @@ class SpmdBackend(Backend):
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return super().all_gather(tensor) if self._hosts is None else self._hosts.all_gather(tensor)
 
-    def agree(self, stop: bool, finite: torch.Tensor) -> tuple[bool, bool]:
-        return super().agree(stop, finite) if self._hosts is None else self._hosts.agree(stop, finite)
+    def agree(self, stop: bool, stats: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
+        return super().agree(stop, stats) if self._hosts is None else self._hosts.agree(stop, stats)
 
     def shutdown(self) -> None:
         if self._hosts is not None:

@@ -3,11 +3,11 @@ block (--matmul-precision), and how many positions one lm_head + loss chunk comp
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable
 
 import torch
 
+from qat_lora.runtime import xla
 from qat_lora.runtime.device import is_xla
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -27,7 +27,7 @@ def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
         raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
-    if is_xla(device) and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+    if is_xla(device) and xla.device_hardware(device) == "TPU":
         return torch.bfloat16
     return None
 

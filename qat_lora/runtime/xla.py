@@ -44,6 +44,14 @@ def start_device(pjrt_device: str) -> torch.device:
     return torch_xla.device()
 
 
+def device_hardware(device: torch.device) -> str:
+    """The hardware XLA `device` runs on ('TPU', 'CPU', 'CUDA', ...), from the runtime's real device, not from
+    PJRT_DEVICE (torch_xla.runtime.device_type() only reads the variable back)."""
+    import torch_xla.core.xla_model as xm
+
+    return xm.xla_device_hw(device)
+
+
 def compile_metrics() -> dict:
     """XLA counters from torch_xla.debug.metrics: compiles, graph executions, device-to-host transfers, ops that
     fell back to the CPU ({} when torch_xla is not in use)."""

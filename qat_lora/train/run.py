@@ -54,6 +54,8 @@ class Run:
     moved: bool = False  # the student's weights started off the base model's (a --quantizer with codes)
     inputs: dict = dataclasses.field(default_factory=dict)  # run_inputs(cfg): recorded, compared on resume
     finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
+    finite_read_at: int = -1  # the step whose finite flag the host read last (an agreement's read)
+    stats: torch.Tensor | None = None  # device vector of the last step: STAT_KEYS, then the finite flag
     metrics: runs.MetricsLog | None = None  # the master's metrics log
     compiled_by_step_2: int = 0  # XLA graphs compiled by this process's second step
     teacher: torch.nn.Module | None = None  # --online-teacher, frozen on the device

@@ -56,6 +56,8 @@ from qat_lora.train.student import save_artifacts
 
 
 RERUN = "rerun the same command with --resume auto to continue"
+# What each step leaves in `run.stats` (then its finite flag) and each --log-steps record holds.
+STAT_KEYS = ("loss", "soft_ce", "kl", "ce", "grad_norm")
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend | None = None,
@@ -124,11 +126,11 @@ def _loop(run: Run, batches: Iterator, log: Callable[[str], None], rerun: str = 
     # The loop: one optimizer step per iteration; metrics, evaluation and checkpoints at their intervals.
     with runs.StopSignal() as stop, progress:  # the bar is closed before any error line is printed
         while run.step < cfg.max_steps:
-            totals, grad_norm = _optimizer_step(run, batches, loss_cfg, amp_dtype)
+            _optimizer_step(run, batches, loss_cfg, amp_dtype)
             run.step += 1
-            stopping = _stop_agreed(run, stop, first_step)
+            stopping, stats = _stop_agreed(run, stop, first_step)
             if master and (run.step % cfg.log_steps == 0 or run.step == cfg.max_steps):
-                _log_step(run, totals, grad_norm, metrics, progress, clock)
+                _log_step(run, stats, metrics, progress, clock)
             progress.update(1)
             if run.step == first_step + 2:
                 run.compiled_by_step_2 = xla.compile_metrics().get("graphs_compiled", 0)
@@ -140,10 +142,11 @@ def _loop(run: Run, batches: Iterator, log: Callable[[str], None], rerun: str = 
                 _stop(run, stop.signum, saved, log, rerun)
 
 
-def _optimizer_step(run: Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dtype) -> tuple[dict, torch.Tensor]:
+def _optimizer_step(run: Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dtype) -> None:
     """One optimizer step: micro-steps (forward, loss, backward), gradient mean over ranks, clip, update.
 
-    Returns device tensors (loss parts averaged over micro-steps, grad norm); nothing is read to the host.
+    Leaves `run.stats`, a device vector: the loss parts averaged over micro-steps, the grad norm and the finite
+    flag (STAT_KEYS + 1), computed in the step's own graph; nothing is read to the host.
     """
     cfg, totals = run.cfg, {}
     with quantized_weights_once_per_step(run.model, enabled=cfg.accumulation_steps > 1) as backward_quantizers:
@@ -163,16 +166,19 @@ def _optimizer_step(run: Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dty
                 run.optimizer.zero_grad(set_to_none=False)
                 # Part of the step's graph (no extra graph, no host read): read only by _check_finite.
                 run.finite = torch.isfinite(totals["loss"]) & torch.isfinite(grad_norm) & run.finite
+                # One vector for the one host read of an agreement step (the log reads nothing of its own).
+                run.stats = torch.stack([*(totals[k].float() for k in STAT_KEYS[:-1]), grad_norm.float(),
+                                         run.finite.float()])
             dev.sync(run.device)
-    return totals, grad_norm
 
 
-def _stop_agreed(run: Run, stop: runs.StopSignal, first_step: int) -> bool:
+def _stop_agreed(run: Run, stop: runs.StopSignal, first_step: int) -> tuple[bool, torch.Tensor | None]:
     """Whether every rank stops after this step (DESIGN §6). Ranks agree at fixed steps only (every --log-steps,
     every --save-steps, the last, and this process's first, so that the agreement's small XLA graph compiles
     with the first step's, not later), where the host reads the finite flag anyway: one collective and one read
     there, none in the steps between, and a rank that alone got SIGTERM is joined by the others at the same
-    step, before any save collective. A single process stops at once at no cost.
+    step, before any save collective. A single process stops at once at no cost. Returns (stop now, the step's
+    statistics on the host, or None between agreement steps).
 
     Raises:
         RunDiverged: some rank's loss or gradient norm is not finite.
@@ -180,10 +186,11 @@ def _stop_agreed(run: Run, stop: runs.StopSignal, first_step: int) -> bool:
     cfg, alone = run.cfg, run.backend.world_size == 1
     if not (run.step % cfg.log_steps == 0 or run.step in (cfg.max_steps, first_step + 1)
             or (cfg.save_steps and run.step % cfg.save_steps == 0)):
-        return alone and stop.signum is not None
-    stopping, finite = run.backend.agree(stop.signum is not None, run.finite)
+        return alone and stop.signum is not None, None
+    stopping, finite, stats = run.backend.agree(stop.signum is not None, run.stats)
     _check_finite(run, finite)
-    return stopping
+    run.finite_read_at = run.step
+    return stopping, stats
 
 
 def _check_finite(run: Run, finite: bool | None = None) -> None:
@@ -193,6 +200,8 @@ def _check_finite(run: Run, finite: bool | None = None) -> None:
     Raises:
         RunDiverged: naming the step and the last checkpoint saved before it.
     """
+    if finite is None and run.finite_read_at == run.step:
+        return  # this step's agreement read it already
     if finite is None:
         finite = bool(dev.to_host([run.finite])[0])  # a transfer of a computed value, not an op
     if not finite:
@@ -203,23 +212,17 @@ def _check_finite(run: Run, finite: bool | None = None) -> None:
                                "`qat-lora cache verify`")
 
 
-def _log_step(run: Run, totals: dict, grad_norm: torch.Tensor, metrics: runs.MetricsLog, progress,
-              clock: dict) -> None:
-    """Queue this step's metrics record; its tensors are read in a step closure (after the graph ran on XLA)."""
+def _log_step(run: Run, stats: torch.Tensor, metrics: runs.MetricsLog, progress, clock: dict) -> None:
+    """Write this step's metrics record from `stats`, the host copy the step's agreement read (no read here)."""
     now = time.perf_counter()
     tokens = (run.step - clock["last_step"]) * run.tokens_per_step
     record = {"step": run.step, "lr": run.scheduler.get_last_lr()[0],
               "tokens_per_s": tokens / max(now - clock["last_time"], 1e-9),
               "elapsed_s": now - clock["started"], **dev.memory_stats(run.device)}
     clock.update(last_time=now, last_step=run.step)
-
-    def write_metrics():
-        values = dev.to_host([*totals.values(), grad_norm])  # one transfer (a float() each would be one each)
-        record.update({k: float(v) for k, v in zip(totals, values)}, grad_norm=float(values[-1]))
-        metrics.write(record)
-        progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-
-    dev.add_step_closure(run.device, write_metrics)
+    record.update({k: float(v) for k, v in zip(STAT_KEYS, stats.tolist())})
+    metrics.write(record)
+    progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
 
 
 def _evaluate(run: Run, metrics: runs.MetricsLog, amp_dtype) -> None:
