@@ -178,3 +178,23 @@ def test_fsdp_without_xla_is_a_one_line_error():
 
     with pytest.raises(ValueError, match=r"^--parallel fsdp with --device cpu: SPMD needs --device xla or tpu"):
         run(TrainConfig(model="m", device="cpu", num_chips=2, parallel="fsdp"), log=lambda _: None)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("parallel, started", [("auto", "spmd"), ("spmd", "spmd"), ("processes", "replicas")])
+def test_parallel_auto_on_a_tpu_host_is_one_spmd_process(monkeypatch, parallel, started):
+    import sys
+    import types
+
+    from qat_lora.train import launch
+
+    ran, chips = [], []
+    monkeypatch.setattr(launch.dev, "tpu_present", lambda: True)
+    monkeypatch.setattr(launch, "chips_to_use", lambda n, device: n)
+    monkeypatch.setattr(launch, "select_tpu_chips", lambda n, per_process, log: chips.append(per_process))
+    monkeypatch.setattr(launch, "_train_spmd", lambda cfg, fsdp=False: ran.append("spmd") or 0)
+    monkeypatch.setitem(sys.modules, "torch_xla", types.SimpleNamespace(launch=lambda fn, args: ran.append("replicas")))
+    launch.run(TrainConfig(model="m", device="tpu", num_chips=4, parallel=parallel), log=lambda _: None)
+    # The tested path by default: one process over the 4 chips (each chip visible to it), not 4 unsupervised
+    # replicas; replicas only when asked for.
+    assert ran == [started] and chips == [started == "replicas"]

@@ -4,11 +4,11 @@
 WORLD_SIZE is set) it trains in this process; otherwise (DESIGN §6):
 - CUDA / CPU: `launch.launch_local` starts N processes with torchrun's environment (NCCL / gloo) and waits for
   them; a rank that fails stops the others.
-- TPU: `torch_xla.launch` replicas (xm.reduce_gradients + a plain optimizer.step), or one SPMD process over
-  the chips with `--parallel spmd` (the batch sharded) or `--parallel fsdp` (the frozen parameters too:
-  runtime/sharding.py; also on XLA:CPU).
-- XLA on a CPU host: one SPMD process over CPU_NUM_DEVICES devices (its spawned replicas cannot run
-  collectives: pytorch/xla #5005, #9089).
+- XLA (TPU, and XLA:CPU's CPU_NUM_DEVICES devices): one SPMD process over the chips, `--parallel auto` or
+  `spmd` (the batch sharded), or `--parallel fsdp` (the frozen parameters too: runtime/sharding.py): the path
+  the tests prove, one process to supervise. `--parallel processes` on a TPU host starts `torch_xla.launch`
+  replicas instead (xm.reduce_gradients + a plain optimizer.step); on a CPU host it is refused (XLA:CPU
+  replicas cannot run collectives: pytorch/xla #5005, #9089).
 
 The generic machinery (local ranks, TPU chip visibility, the SPMD backend) is runtime/launch.py.
 
@@ -44,7 +44,7 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:
     xla = dev.wants_xla(cfg.device)
     parallel = cfg.parallel
     if xla and dev.tpu_present():  # before any runtime starts: the chips this run may see
-        select_tpu_chips(cfg.num_chips, per_process=cfg.num_chips > 1 and parallel in ("auto", "processes"), log=log)
+        select_tpu_chips(cfg.num_chips, per_process=cfg.num_chips > 1 and parallel == "processes", log=log)
     if cfg.num_chips == 1 and parallel != "fsdp":
         train(cfg, log)
         return 0
@@ -52,12 +52,11 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:
     if parallel in one_process and not xla:
         raise ValueError(f"--parallel {parallel} with --device {cfg.device}: SPMD needs --device xla or tpu; use "
                          "--parallel processes")
-    if xla and not dev.tpu_present() and parallel not in one_process:
-        if parallel == "processes":
-            raise ValueError(f"--device {cfg.device} --num-chips {cfg.num_chips} --parallel processes: XLA:CPU "
-                             "replicas cannot run collectives (DESIGN §6); use --parallel spmd, a TPU, or --device cpu")
-        log(f"XLA on a CPU host: its replicas cannot run collectives (DESIGN §6); training one SPMD process "
-            f"over {cfg.num_chips} devices instead")
+    if xla and parallel == "processes" and not dev.tpu_present():
+        raise ValueError(f"--device {cfg.device} --num-chips {cfg.num_chips} --parallel processes: XLA:CPU "
+                         "replicas cannot run collectives (DESIGN §6); use --parallel spmd, a TPU, or --device cpu")
+    if xla and parallel == "auto":
+        log(f"--parallel auto: one SPMD process over {cfg.num_chips} XLA devices (the batch sharded over them)")
         parallel = "spmd"
     if parallel in one_process:
         return _train_spmd(cfg, fsdp=parallel == "fsdp")
