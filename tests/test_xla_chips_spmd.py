@@ -79,6 +79,7 @@ from qat_lora.train.config import StudentSpec
 from qat_lora.runtime.distributed import SpmdBackend
 from qat_lora.runtime.sharding import FsdpBackend, device_bytes, shard_shape
 from qat_lora.train.student import build_student, make_trainable_, set_storage_dtype_
+from qat_lora.quant.fake_quant import quantised_layers
 
 fsdp = FsdpBackend()  # turns SPMD on, over the CPU_NUM_DEVICES devices
 device = torch_xla.device()
@@ -91,6 +92,12 @@ for storage in ("fp32", "bf16"):
         report[f"{name}-{storage}"] = device_bytes(frozen)
         report[f"total-{storage}"] = sum(p.numel() * p.element_size() for p in frozen)
         report[f"trainable-{storage}"] = device_bytes([p for p in model.parameters() if p.requires_grad])
+        if storage == "fp32":  # the cached Wq of each frozen layer, made by a forward: laid out like its weight
+            model(input_ids=torch.tensor([[1, 2, 3, 4]] * 4, device=device))
+            torch_xla.sync()
+            cached = [m._cached_wq for m in quantised_layers(model).values()]
+            report[f"wq-{name}"] = device_bytes(cached)
+            report["wq-total"] = sum(t.numel() * t.element_size() for t in cached)
 from qat_lora.quant.fake_quant import quantizer_parameters
 quantizer = {id(p) for p in quantizer_parameters(model)}
 report["frozen_numel"] = sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in quantizer)
@@ -114,6 +121,8 @@ def test_fsdp_keeps_a_quarter_of_the_parameter_bytes_per_device(teacher_dir):
         assert report[f"replicated-{storage}"] == report[f"total-{storage}"]
         # Every frozen tensor of the tiny model divides by 4 along some dimension: exactly a quarter.
         assert report[f"fsdp-{storage}"] * 4 == report[f"total-{storage}"], report
+    # The frozen layers' cached Wq too (the bulk of a recovery-lora student's bytes under fp32 storage).
+    assert report["wq-replicated"] == report["wq-total"] > 0 and report["wq-fsdp"] * 4 == report["wq-total"], report
     # LoRA stays replicated in fp32 (small); bf16 storage saves 2 bytes on every frozen weight but the
     # quantiser's (fp32: it defines the grid).
     assert report["trainable-fp32"] == report["trainable-bf16"] > 0
@@ -197,3 +206,50 @@ def test_a_tied_head_stays_one_tensor_on_the_device():
         assert row["tied"] and row["max_logit_diff"] < 1e-5, (name, row)
     assert report["replicated"]["held"] == report["replicated"]["total"]
     assert report["fsdp"]["held"] * 4 == report["fsdp"]["total"] == report["replicated"]["total"], report
+
+
+EVAL = """
+import contextlib, json, sys
+import torch, torch_xla
+from qat_lora.cache.reader import KDCache
+from qat_lora.runtime import device as dev, xla
+from qat_lora.runtime.distributed import SpmdBackend
+from qat_lora.train import metrics
+from qat_lora.train.config import StudentSpec
+from qat_lora.train.student import build_student
+
+backend = SpmdBackend()  # SPMD over the 2 devices
+device = torch_xla.device()
+cache = KDCache(sys.argv[2])
+model = build_student(StudentSpec(sys.argv[1], "w2g32"), "eager").to(device).eval()
+layouts, place = [], dev.device_batches
+
+@contextlib.contextmanager
+def recorded(batches, device, sharding=None):  # each placed batch's layout, as the metrics loop receives it
+    def each(placed):
+        for batch in placed:
+            layouts.append(xla.sharding_spec(batch["input_ids"]))
+            yield batch
+    with place(batches, device, sharding) as placed:
+        yield each(placed)
+
+dev.device_batches = recorded
+dims = {k: v.dim() + 1 for k, v in cache.sequence(0).items()}
+sharded = metrics.kd_metrics(model, cache, 4, device, sharding=backend.input_sharding(dims))
+whole = metrics.kd_metrics(model, cache, 4, device)
+print(json.dumps({"sharded": sharded, "whole": whole, "layouts": layouts}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.multiprocess
+def test_heldout_eval_under_spmd_splits_each_batch_over_the_devices(teacher_dir, cache_dir):
+    report = on_xla(EVAL, str(teacher_dir), str(cache_dir), devices=2, timeout=400)
+    half = len(report["layouts"]) // 2
+    # The sharded pass placed every batch split over the 2 devices (the whole pass: replicated), same sums.
+    assert half and all("devices=[2" in spec for spec in report["layouts"][:half]), report["layouts"]
+    assert not any("devices=[2" in spec for spec in report["layouts"][half:]), report["layouts"]
+    for key in ("kd_soft_ce", "kd_kl", "kd_ce"):
+        assert report["sharded"][key] == pytest.approx(report["whole"][key], rel=1e-5), key
+    assert report["sharded"]["kd_tokens"] == report["whole"]["kd_tokens"]

@@ -67,6 +67,9 @@ class FakeQuantLinear(nn.Linear):
         self._stores_wq = False  # `weight` holds Wq itself (store_quantized_weight_), not the latent weight
         # The latent weight was set from codes (load_quantizer_state_): the quantiser's gradient holds the codes.
         self.hold_codes = False
+        # Lays the cached Wq out like `weight` (FSDP sets it: runtime/sharding.py); None elsewhere, where the
+        # compiler's propagation would leave a frozen layer's cached Wq in whatever layout it chose.
+        self.wq_layout: Callable[[torch.Tensor], None] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, cfg: QuantConfig, name: str = "",
@@ -154,6 +157,8 @@ class FakeQuantLinear(nn.Linear):
         if self._cached_wq is None or key != self._cache_key:
             with torch.no_grad():
                 self._cached_wq = self._fake_quantize()
+                if self.wq_layout is not None:
+                    self.wq_layout(self._cached_wq)
             self._cache_key = key
         return self._cached_wq
 

@@ -11,6 +11,7 @@ replicated, with their optimizer states. torch_xla is imported inside functions 
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Iterable
@@ -68,19 +69,25 @@ class FsdpBackend(SpmdBackend):
         model larger than one chip loads (model.to(device) first would copy all of it to every device).
         """
         if device is not None:  # module by module, tied parameters kept tied (one copy, split once)
-            dev.move_model_(model, device, on_module=lambda module: self._shard_(module.parameters(recurse=False)))
+            dev.move_model_(model, device, on_module=self._shard_module_)
         else:
-            self._shard_(model.parameters())
+            for module in model.modules():
+                self._shard_module_(module)
         params = list(model.parameters())
         self._bytes = (device_bytes(params), sum(p.numel() * p.element_size() for p in params))
         return model
 
-    def _shard_(self, params: Iterable[torch.nn.Parameter]) -> None:
-        for p in params:
+    def _shard_module_(self, module: torch.nn.Module) -> None:
+        """Split the module's own frozen parameters; a fake-quantised linear's cached Wq (its `wq_layout` slot)
+        is then laid out like its weight, so the frozen layer is 1/N per device, not only its latent weight."""
+        for name, p in module.named_parameters(recurse=False):
             dim = None if p.requires_grad else shard_dim(tuple(p.shape), self.layout.devices)  # every host's
-            if dim is not None:
-                spec = tuple("data" if d == dim else None for d in range(p.dim()))
-                self._xs.mark_sharding(p, self._mesh, spec)
+            if dim is None:
+                continue
+            spec = tuple("data" if d == dim else None for d in range(p.dim()))
+            self._xs.mark_sharding(p, self._mesh, spec)
+            if name == "weight" and hasattr(module, "wq_layout"):
+                module.wq_layout = functools.partial(self._xs.mark_sharding, mesh=self._mesh, partition_spec=spec)
 
     _bytes: tuple[int, int] | None = None  # (per device, whole model) parameter bytes, once sharded
 

@@ -22,8 +22,9 @@ from qat_lora.train.loss import KDLossConfig, forward_loss
 
 
 def _summed(model, batches, loss_cfg: KDLossConfig, keys: tuple[str, ...], device: torch.device, amp_dtype,
-            chunk_size: int | None, bar: tqdm | None = None) -> dict[str, float]:
-    """Sums of `keys` over every batch, in float64 ON THE HOST (`bar`: ticked once per batch, then closed).
+            chunk_size: int | None, bar: tqdm | None = None, sharding: dict | None = None) -> dict[str, float]:
+    """Sums of `keys` over every batch, in float64 ON THE HOST (`bar`: ticked once per batch, then closed;
+    `sharding`: each batch's layout over an SPMD process's devices, as training's batches).
 
     Each batch's sums stay on the device in fp32 (exact for its token counts) and are read in ONE transfer at
     the end: a float64 accumulator on the device would be fp32 on a TPU (which stores f64 as f32), where
@@ -31,7 +32,7 @@ def _summed(model, batches, loss_cfg: KDLossConfig, keys: tuple[str, ...], devic
     """
     chunk_size = precision.default_loss_chunk_size(device) if chunk_size is None or chunk_size < 0 else chunk_size
     per_batch = []
-    with dev.device_batches(batches, device) as on_device:
+    with dev.device_batches(batches, device, sharding) as on_device:
         for batch in on_device:
             with precision.autocast(device, amp_dtype):  # as in training, so the eval loss is the training loss
                 parts = forward_loss(model, batch, loss_cfg, chunk_size)
@@ -82,9 +83,11 @@ def perplexity(model, tokenizer, text: list[str], seq_len: int, max_tokens: int 
 
 @torch.no_grad()
 def kd_metrics(model, cache: KDCache, batch_size: int, device: torch.device, split: str = "heldout",
-               progress: bool = False, amp_dtype: torch.dtype | None = None, chunk_size: int | None = None) -> dict:
+               progress: bool = False, amp_dtype: torch.dtype | None = None, chunk_size: int | None = None,
+               sharding: dict | None = None) -> dict:
     """Soft CE, KL over the K+1 buckets, hard CE and top-1 agreement with the teacher, token-averaged
-    (`progress`, `amp_dtype`, `chunk_size` as in `perplexity`)."""
+    (`progress`, `amp_dtype`, `chunk_size` as in `perplexity`; `sharding`: the batches' layout over an SPMD
+    process's devices, Backend.input_sharding, so each device evaluates its own rows as in training)."""
     if cache.num_sequences(split) == 0:
         raise ValueError(f"--cache {cache.path}: the {split} split is empty; rebuild with a larger "
                          "--holdout-fraction or --max-tokens")
@@ -92,7 +95,7 @@ def kd_metrics(model, cache: KDCache, batch_size: int, device: torch.device, spl
     bar = tqdm(desc=f"KD metrics ({split})", unit="batch", total=-(-cache.num_sequences(split) // batch_size),
                disable=not progress)
     values = _summed(model, cache.batches(split, batch_size, shuffle=False, drop_last=False), KDLossConfig(), keys,
-                     device, amp_dtype, chunk_size, bar)
+                     device, amp_dtype, chunk_size, bar, sharding)
     kd_tokens, ce_tokens = max(values["kd_tokens"], 1.0), max(values["ce_tokens"], 1.0)
     return {"kd_soft_ce": values["soft_ce_sum"] / kd_tokens, "kd_kl": values["kl_sum"] / kd_tokens,
             "kd_top1": values["top1_sum"] / kd_tokens, "kd_ce": values["ce_sum"] / ce_tokens,

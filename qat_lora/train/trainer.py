@@ -230,8 +230,13 @@ def _evaluate(run: Run, metrics: runs.MetricsLog, amp_dtype) -> None:
     _check_finite(run)
     if run.backend.is_master:
         run.model.eval()
-        result = kd_metrics(run.model, run.cache, run.cfg.batch_size, run.device, amp_dtype=amp_dtype,
-                            chunk_size=run.cfg.loss_chunk_size)  # training's autocast: the loss it reports is training's
+        # Training's autocast (the loss it reports is training's) and, in one SPMD process, training's layout:
+        # each device evaluates its own --batch-size rows instead of every device the whole batch.
+        one_process = run.backend.world_size == 1
+        dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
+        result = kd_metrics(run.model, run.cache, rows_per_micro_step(run.cfg, run.backend) if one_process
+                            else run.cfg.batch_size, run.device, amp_dtype=amp_dtype, chunk_size=run.cfg.loss_chunk_size,
+                            sharding=run.backend.input_sharding(dims) if one_process else None)
         run.model.train()
         result["eval_loss"] = run.cfg.alpha * result["kd_soft_ce"] + (1.0 - run.cfg.alpha) * result["kd_ce"]
         metrics.write({"step": run.step, **result})
