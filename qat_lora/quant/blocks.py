@@ -137,6 +137,18 @@ def capture_block_inputs(model: nn.Module, input_ids_batches: Iterable[torch.Ten
     return BlockInputs(hidden, per_layer[0], tuple(per_layer[1:]))
 
 
+def on_device(value, device: torch.device):
+    """`value` (a tensor, or tuples / lists / dicts of them, as a layer's captured kwargs) with every tensor on
+    `device`: a layer moved alone to an accelerator gets its masks and rotary tables there too."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(on_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
+    return value
+
+
 @torch.no_grad()
 def run_block(layer: nn.Module, inputs: BlockInputs) -> list[torch.Tensor]:
     """Run one decoder layer over every recorded batch.
@@ -150,7 +162,7 @@ def run_block(layer: nn.Module, inputs: BlockInputs) -> list[torch.Tensor]:
     device, dtype = _device(layer), _dtype(layer)
     outputs = []
     for h, kwargs in zip(inputs.hidden, inputs.kwargs):
-        out = layer(h.to(device=device, dtype=dtype), **kwargs)
+        out = layer(h.to(device=device, dtype=dtype), **on_device(kwargs, device))
         out = out[0] if isinstance(out, tuple) else out
         outputs.append(out.float().cpu())
     return outputs

@@ -13,7 +13,11 @@ that map it to itself, so QAT / recovery training continues from it.
     quantize_(model, get_preset("w3g64"))
     report = gptq_(model, calibration_batches)     # list of input_ids [B, L]
 
-Everything runs once before training, on the CPU in float32 (the Cholesky in float64), and may branch on values.
+Everything runs once before training and may branch on values. `gptq_(..., device=...)` keeps only the current
+decoder layer and its calibration activations on the device (the rest of the model on the host, so a model larger
+than one chip works): the block forwards and XᵀX run there; the column loop runs where it is fast, on a CUDA
+device itself, else on the host CPU (XLA: torch_xla 2.9 lowers no Cholesky or triangular solve, and a column loop
+traced op by op would be a graph per column). float32, the Cholesky in float64.
 """
 from __future__ import annotations
 
@@ -44,12 +48,14 @@ class _GroupGrid:
 
     def __init__(self, cfg: QuantConfig, group_size: int, out_features: int, in_features: int,
                  scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
-                 kquant_grid: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+                 kquant_grid: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.cfg, self.group_size, self.kquant_grid = cfg, group_size, kquant_grid
         groups = in_features // group_size
-        self.scale = torch.zeros(out_features, groups) if scale is None else scale.detach().float().cpu()
-        self.zero = torch.zeros(out_features, groups)
-        self.codebook = None if codebook is None else codebook.detach().float().cpu().expand(out_features, groups, -1)
+        self.scale = torch.zeros(out_features, groups, device=device) if scale is None else scale.detach().float().to(device)
+        self.zero = torch.zeros(out_features, groups, device=device)
+        self.codebook = (None if codebook is None
+                         else codebook.detach().float().to(device).expand(out_features, groups, -1))
 
     def fit_(self, group: int, w: torch.Tensor, importance: torch.Tensor) -> None:
         """Fit group `group` on its current weights w [out, G], weighted by importance [G] (diag H) under mse."""
@@ -93,7 +99,7 @@ def _inverse_cholesky_upper(h: torch.Tensor, damp: float) -> torch.Tensor:
         ValueError: H is not positive definite even after damping.
     """
     h = h.double()
-    h = h + torch.eye(h.shape[0], dtype=h.dtype) * (damp * torch.diag(h).mean())
+    h = h + torch.eye(h.shape[0], dtype=h.dtype, device=h.device) * (damp * torch.diag(h).mean())
     chol, info = torch.linalg.cholesky_ex(h)
     if info.item() == 0:
         chol, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
@@ -133,7 +139,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig,
         kquant_grid: kquant only: the layer's fixed (sub-block scales, mins or None), kquant.sub_block_grid.
     Returns:
         int: {"weight": Wq [out, in], "scale": [out, groups] fp16-representable, "zero": [out, groups] integer};
-        lut: {"weight", "scale", "codebook"}; kquant: {"weight"}; float32 CPU. Wq == FakeQuantLinear's fake-quantisation of Wq.
+        lut: {"weight", "scale", "codebook"}; kquant: {"weight"}; float32, on `weight`'s device (where the
+        column loop ran). Wq == FakeQuantLinear's fake-quantisation of Wq.
     Raises:
         ValueError: shapes that do not match, a lut call without scale/codebook, or an H not positive definite.
     """
@@ -141,9 +148,12 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig,
     if cfg.scheme == "kquant" and kquant_grid is None:
         raise ValueError("gptq_quantize: the kquant scheme keeps the layer's two-level scales fixed; pass "
                          "kquant_grid=kquant.sub_block_grid(cfg, **layer.quant_parameters())")
+    if weight.device.type != "cpu":
+        return _gptq_quantize(weight, hessian, cfg, group_size, damp, act_order, block_size, scale, codebook,
+                              kquant_grid)
     threads = torch.get_num_threads()
-    # The column loop is thousands of tiny ops: with more than one thread each pays OpenMP start-up and, on a
-    # busy host, spin-waits (1536 x 576, w3g64, 2 busy cores: 75 s with 2 threads, 1.4 s with 1).
+    # On the CPU the column loop is thousands of tiny ops: with more than one thread each pays OpenMP start-up
+    # and, on a busy host, spin-waits (1536 x 576, w3g64, 2 busy cores: 75 s with 2 threads, 1.4 s with 1).
     torch.set_num_threads(1)
     try:
         return _gptq_quantize(weight, hessian, cfg, group_size, damp, act_order, block_size, scale, codebook,
@@ -156,22 +166,24 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
                    act_order: bool, block_size: int, scale: torch.Tensor | None,
                    codebook: torch.Tensor | None, kquant_grid=None) -> dict[str, torch.Tensor]:
     out_features, in_features = weight.shape
-    w = weight.detach().float().cpu().clone()
-    h = hessian.detach().float().cpu().clone()
+    device = weight.device
+    w = weight.detach().float().clone()
+    h = hessian.detach().float().to(device).clone()
     dead = torch.diag(h) == 0  # inputs never active in calibration: H_ii = 1, W[:, i] = 0 (paper's code)
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     importance = torch.diag(h).clone()
     if kquant_grid is not None:
-        kquant_grid = tuple(None if t is None else t.detach().float().cpu() for t in kquant_grid)
-    grid = _GroupGrid(cfg, group_size, out_features, in_features, scale, codebook, kquant_grid)
+        kquant_grid = tuple(None if t is None else t.detach().float().to(device) for t in kquant_grid)
+    grid = _GroupGrid(cfg, group_size, out_features, in_features, scale, codebook, kquant_grid, device)
     static = act_order or cfg.scheme != "int"
     if static:
         grid.fit_all_(w, importance)
-    perm = torch.argsort(importance, descending=True) if act_order else torch.arange(in_features)
+    perm = torch.argsort(importance, descending=True) if act_order else torch.arange(in_features, device=device)
     w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_cholesky_upper(h, damp)
     q = torch.zeros_like(w)
+    perm_host = perm.tolist()  # one read, not one per column
     for i1 in range(0, in_features, block_size):
         i2 = min(i1 + block_size, in_features)
         w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
@@ -181,7 +193,7 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
             if not static and col % group_size == 0:  # no permutation here: col is the original column
                 group_w = _group_now(w, w1, err1, u, i1, i, col + group_size)
                 grid.fit_(col // group_size, group_w, importance[col:col + group_size])
-            q[:, col] = grid.quantize(w1[:, i], int(perm[col]))
+            q[:, col] = grid.quantize(w1[:, i], int(perm_host[col]))
             err1[:, i] = (w1[:, i] - q[:, col]) / u1[i, i]
             w1[:, i:] -= err1[:, i:i + 1] * u1[i:i + 1, i:]  # OBS update of the rest of the block
         w[:, i2:] -= err1 @ u[i1:i2, i2:]  # lazy update of the later blocks
@@ -190,7 +202,7 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
     if cfg.scheme == "kquant":
         return {"weight": wq}
     if cfg.scheme == "lut":
-        return {"weight": wq, "scale": grid.scale, "codebook": codebook.detach().float().cpu()}
+        return {"weight": wq, "scale": grid.scale, "codebook": codebook.detach().float().to(device)}
     return {"weight": wq, "scale": grid.scale, "zero": grid.zero}
 
 
@@ -217,8 +229,8 @@ def relative_error(weight: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor
     Args:
         weight, wq: [out, in]; hessian: [in, in] (undamped).
     """
-    w, h = weight.detach().double().cpu(), hessian.double().cpu()
-    delta = w - wq.detach().double().cpu()
+    w, h = weight.detach().double(), hessian.double().to(weight.device)  # where they are: no host round trip
+    delta = w - wq.detach().double().to(weight.device)
     num, den = ((delta @ h) * delta).sum(), ((w @ h) * w).sum()
     return float((num / den.clamp(min=1e-300)).clamp(min=0).sqrt())
 
@@ -241,28 +253,35 @@ def full_precision(modules: list[FakeQuantLinear]) -> Iterator[None]:
 
 
 @torch.no_grad()
-def collect_hessians(layer: nn.Module, inputs: blocks.BlockInputs, modules: dict[str, FakeQuantLinear]) -> dict:
-    """H = 2 XᵀX / n ([in, in] float32 CPU) of each module's inputs X [n, in] while `layer` runs over `inputs`.
+def collect_hessians(layer: nn.Module, inputs: blocks.BlockInputs, modules: dict[str, FakeQuantLinear],
+                     to: torch.device | str = "cpu") -> dict:
+    """H = 2 XᵀX / n ([in, in] float32, moved `to`) of each module's inputs X [n, in] while `layer` runs over
+    `inputs`, computed on the layer's device. Modules fed the same tensor (q/k/v, gate/up) share one XᵀX: it is
+    computed once per distinct input, not once per module.
 
     The caller decides whether the modules run quantised or in full precision (see `full_precision`).
     """
     sums: dict[str, torch.Tensor] = {}
     counts = dict.fromkeys(modules, 0)
+    last: list = [None, None]  # (input tensor, its XᵀX) of the latest hook call
 
     def hook(name):
         def accumulate(module, args, output):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            sums[name] = sums.get(name, 0) + x.T @ x
-            counts[name] += x.shape[0]
+            if args[0] is not last[0]:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                last[:] = [args[0], x.T @ x]
+            sums[name] = sums.get(name, 0) + last[1]
+            counts[name] += args[0].numel() // args[0].shape[-1]
         return accumulate
 
     handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
     try:
         blocks.run_block(layer, inputs)
     finally:
+        last.clear()
         for handle in handles:
             handle.remove()
-    return {n: (2.0 * sums[n] / counts[n]).cpu() for n in sums}
+    return {n: (2.0 * sums[n] / counts[n]).to(to) for n in sums}
 
 
 @torch.no_grad()
@@ -280,9 +299,10 @@ def _write_(module: FakeQuantLinear, result: dict[str, torch.Tensor]) -> None:
 
 
 def _quantize_module(module: FakeQuantLinear, h: torch.Tensor, damp: float, act_order: bool) -> dict:
-    """GPTQ one FakeQuantLinear in place; returns its errors before (previous init) and after, and seconds."""
+    """GPTQ one FakeQuantLinear in place, its column loop on `h`'s device; returns its errors before (previous
+    init) and after, and seconds."""
     start = time.perf_counter()
-    w = module.weight.detach().float().cpu().clone()  # the latent weight is overwritten below
+    w = module.weight.detach().float().to(h.device).clone()  # the latent weight is overwritten below
     before = relative_error(w, module.quantized_weight().detach(), h)
     lut = module.cfg.scheme == "lut"
     grid = kquant.sub_block_grid(module.cfg, **module.quant_parameters()) if module.cfg.scheme == "kquant" else None
@@ -296,7 +316,7 @@ def _quantize_module(module: FakeQuantLinear, h: torch.Tensor, damp: float, act_
 
 @torch.no_grad()
 def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: float = 0.01, act_order: bool = False,
-          log: Callable[[str], None] = print) -> dict:
+          device: torch.device | str | None = None, log: Callable[[str], None] = print) -> dict:
     """Sequential GPTQ over a model already through `quantize_`, in place, one decoder block at a time.
 
     Each block gets the hidden states coming out of the previous, already-quantised block (the first: the
@@ -310,6 +330,8 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
         model: a transformers causal LM (possibly PEFT-wrapped) whose linears are FakeQuantLinear.
         calibration_batches: input_ids [B, L] each (training text, never the evaluation text).
         damp, act_order: see `gptq_quantize`.
+        device: where each decoder layer runs while it is quantised (None: where it is). Only that layer and
+            one batch of its activations are on the device at a time; the layer goes back where it was after.
     Returns:
         {"layers": {module name: {"init_err", "gptq_err", "seconds"}}, "seconds": total} where the errors are
         ‖ΔW Xᵀ‖ / ‖W Xᵀ‖ (see `relative_error`) of the previous init and of GPTQ.
@@ -319,15 +341,21 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
     inputs = blocks.capture_block_inputs(model, calibration_batches)
     report: dict[str, dict] = {}
     for index, layer in enumerate(blocks.decoder_layers(model)):
+        home = next(layer.parameters()).device
+        run_on = torch.device(device) if device is not None else home
+        solve_on = run_on if run_on.type == "cuda" else torch.device("cpu")  # see the module docstring
+        layer.to(run_on)
         modules = quantised_layers(layer)
         if modules:
             with full_precision(list(modules.values())):
-                hessians = collect_hessians(layer, inputs, modules)
+                hessians = collect_hessians(layer, inputs, modules, to=solve_on)
             for name, module in modules.items():
                 report[f"layers.{index}.{name}"] = _quantize_module(module, hessians[name], damp, act_order)
+            del hessians
             errs = [report[f"layers.{index}.{n}"] for n in modules]
             log(f"gptq layer {index}: mean rel. output error {sum(e['init_err'] for e in errs) / len(errs):.4f} "
                 f"-> {sum(e['gptq_err'] for e in errs) / len(errs):.4f}")
         inputs = inputs.with_hidden(blocks.run_block(layer, inputs))
+        layer.to(home)
     model.train(was_training)
     return {"layers": report, "seconds": time.perf_counter() - start}
