@@ -57,8 +57,10 @@ def test_online_loss_equals_the_k_equal_v_cache_loss(full_cache, teacher_dir, te
     cached = forward_loss(student, batch, cfg, chunk_size)
     online = forward_loss(student, {k: batch[k] for k in BASE_KEYS}, cfg, chunk_size, teacher=teacher)
     assert float(cached["kl"].detach()) > 0.05  # a real gap to match, not 0 == 0
+    assert ("top1" in online) == ("top1" in cached)  # a training step (with a gradient) computes no top-1
     for key in ("loss", "soft_ce", "kl", "ce", "top1", "kd_tokens"):
-        torch.testing.assert_close(online[key], cached[key], rtol=1e-5, atol=1e-5, msg=key)
+        if key in cached:
+            torch.testing.assert_close(online[key], cached[key], rtol=1e-5, atol=1e-5, msg=key)
     # The cached targets in a batch are ignored when a teacher is given.
     again = forward_loss(student, batch, cfg, chunk_size, teacher=teacher)
     torch.testing.assert_close(again["loss"], online["loss"], rtol=0, atol=0)

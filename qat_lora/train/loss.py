@@ -176,8 +176,9 @@ def _nll(s_full: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: KDLossConfig,
-                   teacher_head: tuple | None = None) -> torch.Tensor:
-    """Masked sums over N positions: [soft_ce, kl, top1, ce]. logits [N, V]; targets hold per-position
+                   teacher_head: tuple | None = None, top1: bool = True) -> torch.Tensor:
+    """Masked sums over N positions: [soft_ce, kl, top1, ce] (`top1` False: its sum is 0, and the [N, V] argmax
+    a training step never reads is not computed). logits [N, V]; targets hold per-position
     `labels` [N], `kd_mask` [N], `label_mask` [N] and one kind of teacher target (or none): `topk_ids` +
     `topk_logprobs` [N, K], `sample_ids` + `sample_weights` [N, S], `teacher_logits` [N, V], or
     `teacher_hidden` [N, H] whose logits `teacher_head` (weight [V, H], bias [V] or None, soft-cap or None)
@@ -190,23 +191,23 @@ def _position_sums(logits: torch.Tensor, targets: dict[str, torch.Tensor], cfg: 
         targets = {**targets, "teacher_logits": teacher_logits}
     if "teacher_logits" in targets:
         soft_ce, kl = _full_soft_ce(s_full, targets["teacher_logits"], cfg.temperature)
-        teacher_top1 = targets["teacher_logits"].argmax(-1)
+        teacher_top1 = lambda: targets["teacher_logits"].argmax(-1)  # noqa: E731  (only if top1 is asked for)
     elif "topk_ids" in targets:
         soft_ce, kl = _topk_soft_ce(s_full, targets["topk_ids"], targets["topk_logprobs"], cfg.temperature,
                                     cfg.renormalize_topk)
-        teacher_top1 = targets["topk_ids"][:, 0]
+        teacher_top1 = lambda: targets["topk_ids"][:, 0]  # noqa: E731
     elif "sample_ids" in targets:
         if cfg.temperature != 1.0:
             raise ValueError("--temperature: sampled targets were drawn at T = 1; use --temperature 1")
         soft_ce, kl = _sampled_soft_ce(s_full, targets["sample_ids"], targets["sample_weights"])
-        most_drawn = targets["sample_weights"].argmax(-1, keepdim=True)
-        teacher_top1 = torch.gather(targets["sample_ids"], -1, most_drawn).squeeze(-1)
+        teacher_top1 = lambda: torch.gather(targets["sample_ids"], -1,  # noqa: E731
+                                            targets["sample_weights"].argmax(-1, keepdim=True)).squeeze(-1)
     else:  # perplexity only: no teacher targets
         zero = ce.sum() * 0.0
         return torch.stack([zero, zero, zero, ce.sum()])
-    top1 = (logits.argmax(-1) == teacher_top1).to(soft_ce.dtype)
     kd_mask = targets["kd_mask"].to(soft_ce.dtype)
-    return torch.stack([(soft_ce * kd_mask).sum(), (kl * kd_mask).sum(), (top1 * kd_mask).sum(),
+    agree = ((logits.argmax(-1) == teacher_top1()).to(soft_ce.dtype) * kd_mask).sum() if top1 else soft_ce.sum() * 0.0
+    return torch.stack([(soft_ce * kd_mask).sum(), (kl * kd_mask).sum(), agree,
                         ce.sum().to(soft_ce.dtype)])
 
 
@@ -271,8 +272,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     gradient of the chunk's share of the loss w . sums with respect to h, W and b; the logits are then freed.
     Backward only scales the stored gradients by the incoming one. Peak memory is one chunk's logits, as with
     recomputation, but the lm_head runs twice per chunk instead of three times (forward, input gradient), the
-    same trick as fused linear-cross-entropy kernels. Only the loss carries a gradient; the sums (for logging
-    and evaluation) are returned detached.
+    same trick as fused linear-cross-entropy kernels. Only the loss carries a gradient; the sums (for logging)
+    are returned detached, their top-1 sum 0 (evaluation, which reads it, takes kd_loss_chunked's other path).
     """
 
     @staticmethod
@@ -285,9 +286,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             inputs = [t.detach().requires_grad_(need) if t is not None else None
                       for t, need in zip((hidden[start:start + chunk_size], weight, bias), needs)]
             with torch.enable_grad():
+                # No top-1 here: training reads only the loss and its parts (evaluation takes the other path).
                 chunk = _position_sums(softcap_logits(torch.nn.functional.linear(*inputs), cfg.logit_softcap),
                                        {n: t[start:start + chunk_size] for n, t in zip(names, targets)}, cfg,
-                                       teacher_head)
+                                       teacher_head, top1=False)
                 wanted = [t for t, need in zip(inputs, needs) if need]
                 got = iter(torch.autograd.grad((chunk * loss_weights).sum(), wanted) if wanted else ())
             if needs[0]:
@@ -329,6 +331,11 @@ def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str,
     targets = _flat_targets(batch)
     flat = hidden.reshape(-1, hidden.shape[-1])
     names = list(targets)
+    device_type = flat.device.type
+    if torch.is_autocast_enabled(device_type) and not weight.requires_grad:
+        # The frozen head in the autocast dtype once per step: autocast would cast it again in every chunk.
+        dtype = torch.get_autocast_dtype(device_type)
+        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     loss_weights = _loss_weights(targets, cfg, torch.promote_types(flat.dtype, torch.float32))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias)):
         loss, sums = _ChunkedHeadLoss.apply(flat, weight, bias, loss_weights, cfg, chunk_size, names, teacher_head,
@@ -341,6 +348,8 @@ def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str,
         loss = (sums * loss_weights).sum()
     out = _finish(sums, targets, cfg)
     out["loss"] = loss
+    if loss.requires_grad:  # a training step: top-1 was not computed (_ChunkedHeadLoss), so none is reported
+        del out["top1"], out["top1_sum"]
     return out
 
 
