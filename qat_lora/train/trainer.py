@@ -50,7 +50,7 @@ from qat_lora.runtime.files import FolderLock, atomic_write_json
 from qat_lora.train.loss import KDLossConfig, forward_loss
 from qat_lora.train.metrics import kd_metrics
 from qat_lora.train.reporting import open_reporters
-from qat_lora.quant.fake_quant import quantized_weights_once_per_step
+from qat_lora.quant.fake_quant import quantized_weights_once_per_step, quantizer_parameters
 from qat_lora.train.run import Run, check_out, finished_run, rows_per_micro_step, set_up
 from qat_lora.train.student import save_artifacts
 
@@ -290,6 +290,13 @@ def _stop(run: Run, signum: int | None, saved: Path | None, log: Callable[[str],
     raise SystemExit(128 + signum)
 
 
+def _model_parameters(model: torch.nn.Module) -> int:
+    """The base model's parameter count (no adapter, no quantiser tensors): what MFU's 4N / 6N FLOPs per token
+    count (scripts/tpu_check.sh)."""
+    extra = {id(p) for p in quantizer_parameters(model)}
+    return sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name and id(p) not in extra)
+
+
 def _finish(run: Run, started: float, first_step: int, compiled_by_step_2: int, log: Callable[[str], None]) -> dict:
     """Final artefacts, summary and (on XLA) the compile report; master only."""
     paths = _save_artifacts(run, run.out)
@@ -299,7 +306,8 @@ def _finish(run: Run, started: float, first_step: int, compiled_by_step_2: int, 
                "wall_s": round(run.wall_s_before + wall, 2), "wall_s_this_process": round(wall, 2),
                "tokens_per_s": round(steps * run.tokens_per_step / max(wall, 1e-9), 1),
                "device": str(run.device), "world_size": run.backend.world_size * run.backend.data_parallel,
-               "preset": run.cfg.preset, **paths, "best_eval_loss": run.best_eval_loss,
+               "preset": run.cfg.preset, "model_parameters": _model_parameters(run.model), **paths,
+               "best_eval_loss": run.best_eval_loss,
                "best": str(run.out / runs.BEST_DIR) if run.best_eval_loss is not None else None}
     if dev.is_xla(run.device):
         report = xla.compile_metrics()
