@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,12 +30,12 @@ from qat_lora.runtime import device as dev
 from qat_lora.runtime import precision, xla
 
 from qat_lora.data import models
-from qat_lora.cache.reader import MANIFEST, SCHEMA_VERSION
+from qat_lora.cache.reader import BUILD_KEY, MANIFEST, SCHEMA_VERSION
 from qat_lora.cache.config import CacheBuildConfig
+from qat_lora.cache.folder import check_out, check_out_path, finished, prepare_out, rank_lock  # noqa: F401 (API)
 from qat_lora.cache.merge import BUILD_FILE, merge_manifests
 from qat_lora.runtime.distributed import Backend
-from qat_lora.runtime.files import (atomic_write_json, check_out_apart_from_inputs, owner_stamp, save_debris,
-                                    save_safetensors, sha256_file)
+from qat_lora.runtime.files import atomic_write_json, owner_stamp, read_record, save_safetensors, sha256_file
 from qat_lora.runtime.runs import StopSignal
 
 
@@ -64,8 +63,8 @@ def _stack_rows(rows: list[dict[str, np.ndarray]], ragged: tuple[str, ...]) -> d
 class _ShardWriter:
     """Background writer: packs rows, writes `name.tmp`, renames, records progress — in submission order."""
 
-    def __init__(self, out: Path, encoding, vocab_size: int, progress_path: Path, progress: dict) -> None:
-        self.out, self.encoding, self.vocab_size = out, encoding, vocab_size
+    def __init__(self, out: Path, encoding, vocab_size: int, progress_path: Path, progress: dict, build: str) -> None:
+        self.out, self.encoding, self.vocab_size, self.metadata = out, encoding, vocab_size, {BUILD_KEY: build}
         self.progress_path, self.progress = progress_path, progress
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.pending: list[Future] = []
@@ -80,7 +79,7 @@ class _ShardWriter:
         packed = [self.encoding.pack_row(s, self.vocab_size) for s in selected]
         arrays = {**base, **_stack_rows(packed, self.encoding.ragged_keys)}
         try:
-            save_safetensors(arrays, self.out / name)  # the umask's modes: caches are meant to be shared
+            save_safetensors(arrays, self.out / name, self.metadata)  # the umask's modes: caches are shared
         except BaseException:
             (self.out / (name + ".tmp")).unlink(missing_ok=True)  # a full disk leaves no half shard, not even its temp
             raise
@@ -103,7 +102,12 @@ def _load_progress(cfg: CacheBuildConfig, out: Path, corpus: str) -> dict:
              "shards": {s: [] for s in data.SPLITS}}
     if not cfg.resume or not path.exists():
         return fresh
-    progress = json.loads(path.read_text())
+    progress = read_record(path)
+    problem = _progress_problem(progress)
+    if problem:
+        which = f"rank {cfg.rank}" if cfg.world_size > 1 else "the cache"
+        raise ValueError(f"--resume: {path} is damaged ({problem}); rebuild {which} with --overwrite instead of "
+                         "--resume")
     if progress.get("fingerprint") != cfg.fingerprint():
         raise ValueError(f"--resume: {out} was built with other arguments; rerun with the same flags"
                          f"{cfg.earlier_default_hint(progress.get('fingerprint'))} or --overwrite")
@@ -119,6 +123,27 @@ def _load_progress(cfg: CacheBuildConfig, out: Path, corpus: str) -> dict:
     return {**progress, **owner_stamp("cache")}
 
 
+def _progress_problem(progress: dict | None) -> str:
+    """What makes a progress record unusable for --resume ("" when it is sound): not an object, or a missing or
+    ill-typed field; shard names must be this build's (never a path out of the folder)."""
+    if progress is None:
+        return "not a JSON object"
+    if not isinstance(progress.get("fingerprint"), str) or not isinstance(progress.get("shards"), dict):
+        return "no `fingerprint` or `shards`"
+    for split in data.SPLITS:
+        shards = progress["shards"].get(split)
+        if not isinstance(shards, list):
+            return f"no `shards.{split}` list"
+        for shard in shards:
+            fields = shard if isinstance(shard, dict) else {}
+            rows = fields.get("rows")
+            if not (isinstance(fields.get("file"), str) and BUILD_FILE.fullmatch(fields["file"])
+                    and isinstance(fields.get("sha256"), str) and isinstance(rows, list) and len(rows) == 3
+                    and all(type(r) is int for r in rows) and rows[2] > 0):
+                return f"a bad `shards.{split}` entry"
+    return ""
+
+
 def _check_teacher(cfg: CacheBuildConfig, progress: dict, identity: dict) -> None:
     """Record the teacher's identity in the progress, or (--resume) refuse a teacher whose weights or config
     changed since the build started: its new shards would mix two teachers' targets."""
@@ -126,63 +151,6 @@ def _check_teacher(cfg: CacheBuildConfig, progress: dict, identity: dict) -> Non
     if progress.setdefault("teacher", teacher) != teacher:  # older records: none to compare
         raise ValueError(f"--teacher {cfg.teacher}: the teacher changed since this build started (weights or config); "
                          "rebuild with --overwrite or restore it")
-
-
-def _finished(cfg: CacheBuildConfig) -> bool:
-    """--resume on a cache whose build finished with these same arguments (its merged manifest exists): true for
-    each rank of a multi-rank build too, so rerunning `build-cache --num-chips N --resume` is a no-op."""
-    out = Path(cfg.out)
-    progress = out / f"progress-r{cfg.rank:03d}.json"
-    if not (cfg.resume and (out / MANIFEST).exists() and progress.exists()):  # merged: every rank finished
-        return False
-    return json.loads(progress.read_text()).get("fingerprint") == cfg.fingerprint()
-
-
-def check_out_path(cfg: CacheBuildConfig) -> Path:
-    """--out as a folder apart from every input (the launcher checks it before taking the folder's lock)."""
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: is a file; pass a folder for the cache")
-    check_out_apart_from_inputs(out, {"--teacher": cfg.teacher, "--data": cfg.data})
-    return out
-
-
-def _check_out(cfg: CacheBuildConfig) -> Path:
-    """Refuse an --out that cannot take this build, before any model loads. A folder holding anything a build
-    did not write (a model, another project) is refused outright: nothing of the user's is ever deleted."""
-    out = check_out_path(cfg)
-    foreign = sorted(p.name for p in out.iterdir() if not BUILD_FILE.fullmatch(p.name)) if out.exists() else []
-    if foreign:
-        raise ValueError(f"--out {out}: holds files a cache build did not write ({', '.join(foreign[:3])}"
-                         f"{', ...' if len(foreign) > 3 else ''}); pass an empty or new folder")
-    mine = f"-r{cfg.rank:03d}-"
-    if (out / MANIFEST).exists() and not cfg.overwrite:
-        raise ValueError(f"--out {out}: a cache already exists there; pass --overwrite or choose another folder")
-    if not cfg.resume and any(mine in p.name for p in out.glob("*.safetensors")) and not cfg.overwrite:
-        whose = f" of rank {cfg.rank}" if cfg.world_size > 1 else ""
-        raise ValueError(f"--out {out}: holds an unfinished build{whose}; pass --resume or --overwrite")
-    return out
-
-
-def prepare_out(cfg: CacheBuildConfig) -> Path:
-    """Create or reuse the checked cache folder; --overwrite removes only what a build wrote there."""
-    out = _check_out(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    clear_debris(cfg, every_rank=cfg.world_size == 1)
-    if cfg.overwrite:
-        for old in out.iterdir():
-            old.unlink()  # all of them match BUILD_FILE (checked above)
-    return out
-
-
-def clear_debris(cfg: CacheBuildConfig, every_rank: bool) -> None:
-    """Remove what saves killed mid-write left in --out (half-written files never carry a real name): every
-    rank's when no builder runs yet (`every_rank`), else only this rank's own, as another rank's temp file may be
-    in flight right now. Only names a build writes: a user's `notes.tmp` stays."""
-    out, mine = Path(cfg.out), re.compile(rf"-r{cfg.rank:03d}[-.]")
-    for stale in save_debris(out) if out.is_dir() else []:
-        if BUILD_FILE.fullmatch(stale.name) and (every_rank or mine.search(stale.name)):
-            stale.unlink()
 
 
 def _tokenise(cfg: CacheBuildConfig, files: list[Path], tokenizer) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -225,16 +193,22 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print, backe
     Returns the manifest path (one rank) or this rank's partial manifest (several ranks).
     Raises:
         ValueError: missing teacher or data, empty corpus, seq_len beyond the teacher's context, an existing
-            cache without --overwrite, a --resume whose arguments, corpus or teacher differ from the interrupted
-            build's.
+            cache without --overwrite, another builder of this rank in --out, a damaged progress record, a
+            --resume whose arguments, corpus or teacher differ from the interrupted build's.
         SystemExit: 128 + the signal after SIGTERM / SIGINT, once the shards already queued are written (the
             build then continues with --resume).
     """
     files = data.list_text_files(cfg.data)  # cheap checks first: a typo should not wait for the teacher
-    if _finished(cfg):  # a preemption loop may rerun the build once more after it completed
+    if finished(cfg):  # a preemption loop may rerun the build once more after it completed
         log(f"{cfg.out}: this build is already complete; nothing to resume")
         return Path(cfg.out) / MANIFEST
-    out = _check_out(cfg)
+    check_out(cfg)  # before the lock, whose file would sit among a user's files for a moment
+    with rank_lock(cfg.out, cfg.rank):  # one builder per rank: two would mix their shards
+        return _build(cfg, files, log, backend)
+
+
+def _build(cfg: CacheBuildConfig, files: list[Path], log: Callable[[str], None], backend: Backend | None) -> Path:
+    out = check_out(cfg)
     corpus = data.corpus_fingerprint(files)
     progress = _load_progress(cfg, out, corpus)
     tokenizer, teacher = _load_teacher(cfg)
@@ -248,7 +222,9 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print, backe
                                  int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     _teacher_to(teacher, device, _TEACHER_DTYPE[cfg.dtype], backend)
     encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
-    writer = _ShardWriter(out, encoding, vocab, out / f"progress-r{cfg.rank:03d}.json", progress)
+    header = _header(cfg, corpus, identity, tokenizer, vocab, encoding)
+    build = _build_id(cfg, header)
+    writer = _ShardWriter(out, encoding, vocab, out / f"progress-r{cfg.rank:03d}.json", progress, build)
     # Until here a stop signal ends the process at once (nothing is written yet); from here it ends the build
     # between batches, after the shards already queued.
     with StopSignal() as stop:
@@ -262,8 +238,7 @@ def build_cache(cfg: CacheBuildConfig, log: Callable[[str], None] = print, backe
     partial = {**owner_stamp("cache"), "rank": cfg.rank, "world_size": cfg.world_size, "shards": progress["shards"],
                "sequences": {s: len(packed[s][0]) for s in data.SPLITS},
                "tokens": {s: int(packed[s][1].sum()) for s in data.SPLITS},
-               "header": _header(cfg, corpus, identity, tokenizer, vocab, encoding),
-               "seconds": round(elapsed, 2)}
+               "header": header, "build_id": build, "seconds": round(elapsed, 2)}
     if dev.is_xla(device):
         partial["xla"] = xla_loop  # this rank's batch loop: one graph per batch shape, one run per batch
     path = out / f"manifest-r{cfg.rank:03d}.json"
@@ -355,3 +330,19 @@ def _header(cfg: CacheBuildConfig, corpus: str, identity: dict, tokenizer, vocab
             "corpus_sha256": corpus,
             "builder": {"version": __version__, "args": {k: v for k, v in asdict(cfg).items()
                                                          if k not in ("rank", "resume", "overwrite")}}}
+
+
+# Flags that change where files lie, which device runs or how batches are cut, never a shard's bytes.
+_PLACEMENT_FLAGS = ("teacher", "data", "out", "rank", "resume", "overwrite", "device", "parallel", "num_chips",
+                    "batch_size")
+
+
+def _build_id(cfg: CacheBuildConfig, header: dict) -> str:
+    """What makes this build's shards: the identities of the teacher, tokenizer and corpus, the encoding and the
+    flags that cut and draw the rows. Each shard records it (its metadata) and each manifest too: shards of two
+    builds never pass as one cache (merge, verify and the reader compare them)."""
+    content = {k: v for k, v in header.items() if k not in ("builder", "teacher")}
+    content["teacher"] = {k: header["teacher"][k] for k in ("config_sha256", "weights_sha256")}
+    unused = cfg.unused_flags()  # the other encoding's flags: whatever they hold, they draw nothing
+    content["args"] = {k: v for k, v in asdict(cfg).items() if k not in _PLACEMENT_FLAGS and k not in unused}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]

@@ -8,7 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from qat_lora.data.config import TextInput
-from qat_lora.runtime.options import DeviceInput, PrecisionInput, require_non_negative, require_positive
+from qat_lora.runtime.options import (DeviceInput, PrecisionInput, refuse_unused_flags, require_non_negative,
+                                      require_positive)
 from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encoding_from_flags
 
 TEACHER_DTYPES = ("fp32", "bf16")
@@ -19,8 +20,11 @@ _LATER_BUILD_FIELDS = {"dtype": "fp32", "matmul_precision": "default", "num_chip
                        "text_errors": "strict"}
 
 # The other encoding's flags change nothing in a cache: fingerprinted at their defaults from before sampled
-# became the default encoding (when --num-samples was 50), so a build from then resumes and they never matter.
-_UNUSED_BY_ENCODING = {"topk": {"num_samples": 50}, "sampled": {"top_k": 64, "value_bits": 16}}
+# became the default encoding (when --num-samples was 50; --seed, which top-K never reads, at 0), so a build from
+# then resumes and they never matter.
+_UNUSED_BY_ENCODING = {"topk": {"num_samples": 50, "seed": 0}, "sampled": {"top_k": 64, "value_bits": 16}}
+# Each encoding's own flags: typed under the other encoding they would change nothing, and are refused.
+_ENCODING_FLAGS = {"topk": ("top_k", "value_bits"), "sampled": ("num_samples", "seed")}
 # The target defaults before then: a build begun under them and resumed by the same command line is told the flag.
 _EARLIER_TARGET_DEFAULTS = ({"encoding": "topk"}, {"num_samples": 50})
 
@@ -86,6 +90,13 @@ class CacheBuildConfig(TextInput, DeviceInput, PrecisionInput):
         self.check_precision()
         self.target_encoding()
         self.text_decoding()
+        refuse_unused_flags(self)
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed: an old
+        command line with --top-k and no --encoding would otherwise build a sampled cache without a word)."""
+        return {name: f"--encoding {encoding} (this build is --encoding {self.encoding})"
+                for encoding, names in _ENCODING_FLAGS.items() if encoding != self.encoding for name in names}
 
     def target_encoding(self) -> TopKEncoding | SampledEncoding:
         return encoding_from_flags(self.encoding, self.top_k, self.value_bits, self.num_samples)

@@ -38,13 +38,15 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
     This process holds the lock on --out (files.FolderLock) for the whole build, merge included; a builder that
     a launcher started (WORLD_SIZE > 1: ours, whose lock it cannot take again, or torchrun's, whose hosts may
     share one folder) takes none, nor does one host's share of a --world-size > 1 build (the hosts may share it).
+    Every builder holds its own rank's lock file (folder.rank_lock): a second builder of one rank fails at once.
 
     Raises:
         ValueError: a builder failed (its own error was printed above), a bad --num-chips, or another command
-            writing --out.
+            writing --out (or building one of its ranks).
         SystemExit: 128 + the signal after SIGTERM / SIGINT (--resume continues the build).
     """
-    from qat_lora.cache.builder import build_cache, check_out_path
+    from qat_lora.cache.builder import build_cache
+    from qat_lora.cache.folder import check_out_path
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return build_cache(replace(cfg, num_chips=1), log)
@@ -56,7 +58,8 @@ def build_cache_on_chips(cfg: CacheBuildConfig, log: Callable[[str], None] = pri
 
 
 def _build_locked(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
-    from qat_lora.cache.builder import build_cache, clear_debris, prepare_out
+    from qat_lora.cache.builder import build_cache
+    from qat_lora.cache.folder import clear_debris, prepare_out
 
     chips = chips_to_use(cfg.num_chips, cfg.device)
     if cfg.parallel in ("spmd", "fsdp"):
@@ -78,9 +81,9 @@ def _build_locked(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
         return _merge_when_complete(cfg, log)  # one host's share of a --world-size build: the last one merges
     # Once, here, before any builder starts: a builder clearing the folder (--overwrite) or every rank's debris of
     # a killed build would delete the files of those started before it. Other hosts may be writing a shared
-    # folder: there each builder clears only its own rank's debris.
+    # folder: there this host clears only its own ranks' files, and each builder only its own rank's debris.
     if cfg.overwrite:
-        prepare_out(cfg)
+        prepare_out(cfg, [chip_rank(cfg.rank, cfg.world_size, i, chips)[0] for i in range(chips)])
     elif cfg.world_size == 1:
         clear_debris(cfg, every_rank=True)
     one = replace(cfg, num_chips=1, overwrite=False)

@@ -13,15 +13,16 @@ from typing import Callable
 
 from qat_lora.data import text as data
 
-from qat_lora.cache.reader import MANIFEST
+from qat_lora.cache.reader import MANIFEST, shard_build
 from qat_lora.runtime.files import (SAFETENSORS_TEMP, FolderLock, apply_umask, atomic_write_json, owner_stamp,
                                     read_record, sha256_file)
 
 
-# Every name a build writes in its folder (shards, progress, partial and merged manifests, their temp files,
-# and the temp file safetensors itself saves through).
+# Every name a build writes in its folder (shards, progress, partial and merged manifests, their temp files, the
+# temp file safetensors itself saves through, and each rank's lock file: folder.rank_lock).
+LOCK_FILE = "build-r{rank:03d}.lock"
 BUILD_FILE = re.compile(r"((train|heldout)-r\d{3}-\d{5}\.safetensors|progress-r\d{3}\.json|manifest(-r\d{3})?\.json)"
-                        r"(\.tmp)?|" + SAFETENSORS_TEMP.pattern)
+                        r"(\.tmp)?|build-r\d{3}\.lock|" + SAFETENSORS_TEMP.pattern)
 
 
 def unfinished_ranks(out: Path) -> list[int]:
@@ -123,6 +124,12 @@ def merge_manifests(path: str | Path, log: Callable[[str], None] = print) -> Pat
     headers = [json.dumps({k: v for k, v in p["header"].items() if k != "builder"}, sort_keys=True) for p in partials]
     if len(set(headers)) != 1:
         raise ValueError(f"{out}: the ranks' manifests disagree (teacher, tokenizer, encoding or corpus)")
+    builds = {p.get("build_id") for p in partials}  # None: a rank built before build ids were recorded
+    if len(builds - {None}) > 1:
+        raise ValueError(f"{out}: the ranks come from different builds (other --seed, --shard-sequences or token "
+                         "budget); rebuild them with the same arguments")
+    for partial in partials:
+        _check_rank_shards(out, partial)
     splits = {}
     for split in data.SPLITS:
         shards = [dict(sh, rank=p["rank"]) for p in partials for sh in p["shards"][split]]
@@ -132,6 +139,34 @@ def merge_manifests(path: str | Path, log: Callable[[str], None] = print) -> Pat
             raise ValueError(f"{out}: the {split} shards do not cover its {splits[split]['sequences']} sequences")
     manifest = {**owner_stamp("cache"), **partials[0]["header"], "world_size": world, "splits": splits,
                 "build_seconds": max(p["seconds"] for p in partials)}
+    if len(builds) == 1 and None not in builds:
+        manifest["build_id"] = builds.pop()
     atomic_write_json(out / MANIFEST, manifest)
     log(f"wrote {out / MANIFEST}")
     return out / MANIFEST
+
+
+def _check_rank_shards(out: Path, partial: dict) -> None:
+    """Every shard a rank's partial manifest lists is there, of its recorded size and written by that rank's build
+    (the shard's own record of its build: builder.build_id), so no merged manifest ever unites two builds' shards.
+    Cheap: sizes and headers, not checksums (`qat-lora cache verify` reads every byte).
+
+    Raises:
+        ValueError: one line naming the shard and the rank to rebuild.
+    """
+    rank = partial["rank"]
+    for split in data.SPLITS:
+        for shard in partial["shards"].get(split, []):
+            name = shard.get("file") if isinstance(shard, dict) else None
+            if not (isinstance(name, str) and BUILD_FILE.fullmatch(name) and f"-r{rank:03d}-" in name):
+                raise ValueError(f"{out}: shard name {name!r} in manifest-r{rank:03d}.json is not one of rank "
+                                 f"{rank}'s; rebuild rank {rank} with --overwrite")
+            file = out / name
+            if not file.is_file():
+                raise ValueError(f"{file}: missing; rebuild rank {rank} with --resume")
+            if partial.get("build_id") and shard_build(file) not in (None, partial["build_id"]):
+                raise ValueError(f"{file}: written by another build than rank {rank}'s manifest-r{rank:03d}.json (two "
+                                 f"builders wrote this folder); rebuild rank {rank} with --overwrite")
+            if file.stat().st_size != shard.get("bytes"):
+                raise ValueError(f"{file}: {file.stat().st_size} bytes, rank {rank}'s manifest says "
+                                 f"{shard.get('bytes')}; rebuild rank {rank} with --overwrite")

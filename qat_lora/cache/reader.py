@@ -25,6 +25,18 @@ SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 BASE_KEYS = ("input_ids", "attention_mask")
 TOKEN_BYTES = 5  # a cached token's own bytes, targets aside: its int32 id and its mask byte (docs/cache-format.md)
+BUILD_KEY = "qat_lora_build"  # a shard's safetensors metadata: the build that wrote it (the manifest's `build_id`)
+_MIXED = ("written by another build than its manifest (two builders wrote this folder); rebuild the cache with "
+          "--overwrite")
+
+
+def shard_build(file: str | Path) -> str | None:
+    """The `build_id` a shard records in its metadata (None: a shard from before it was recorded, or unreadable)."""
+    try:
+        with safe_open(str(file), framework="np") as f:
+            return (f.metadata() or {}).get(BUILD_KEY)
+    except Exception:  # a damaged header: the callers' own checks name it
+        return None
 
 
 class KDCache:
@@ -65,6 +77,8 @@ class KDCache:
             if not file.is_file():  # mmap of a folder fails with a bare "No such device"
                 raise ValueError(f"--cache {self.path}: shard {name} {_not_a_file(file)}; remove it and rebuild the "
                                  "cache with --resume or --overwrite")
+            if self.manifest.get("build_id") and shard_build(file) not in (None, self.manifest["build_id"]):
+                raise ValueError(f"--cache {self.path}: shard {name} was {_MIXED}")
             try:
                 if self.preload:
                     with safe_open(str(file), framework="np") as f:
@@ -319,6 +333,8 @@ def verify_cache(path: str | Path) -> list[str]:
                 problems.append(f"{file}: missing")
             elif not file.is_file():
                 problems.append(f"{file}: {_not_a_file(file)}; remove it and rebuild the cache with --resume")
+            elif cache.manifest.get("build_id") and shard_build(file) not in (None, cache.manifest["build_id"]):
+                problems.append(f"{file}: {_MIXED}")
             elif file.stat().st_size != shard["bytes"]:
                 problems.append(f"{file}: {file.stat().st_size} bytes, the manifest says {shard['bytes']} (truncated?)")
             elif sha256_file(file) != shard["sha256"]:

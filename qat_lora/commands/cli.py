@@ -42,9 +42,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+GIVEN = "given_flags"  # the parsed Namespace's set of the fields whose flags were typed (options.flags_given)
+
+
+class _Typed(argparse.Action):
+    """Stores a flag's value (nargs=0, a switch: its const) and records that the flag was typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
     """One --flag per dataclass field: type, default and help come from the field; a field whose metadata says
-    `required` is marked so in --help (its config's __post_init__ names it when it is missing)."""
+    `required` is marked so in --help (its config's __post_init__ names it when it is missing). Each flag records
+    that it was typed (`GIVEN`), so a config can refuse a typed flag that does nothing under its options."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -55,15 +67,19 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Sequen
         if f.metadata.get("required"):
             help_text += " (required)"
         if kind is bool:
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument(flag, action=_Typed, nargs=0, const=True, default=False, help=help_text)
         elif typing.get_origin(kind) is list:
-            parser.add_argument(flag, nargs="+", default=default, type=typing.get_args(kind)[0], help=help_text)
+            parser.add_argument(flag, action=_Typed, nargs="+", default=default, type=typing.get_args(kind)[0],
+                                help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=default, help=help_text)
+            parser.add_argument(flag, action=_Typed, type=kind, default=default, help=help_text)
 
 
 def config_from_args(cls: type, args: argparse.Namespace):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+    from qat_lora.runtime.options import flags_given
+
+    with flags_given(cls, getattr(args, GIVEN, ())):
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
 def _fetch_assets(args: argparse.Namespace) -> None:
@@ -235,6 +251,8 @@ def main(argv: Sequence[str] | None = None, script: str | None = None, defaults:
     from qat_lora.data.assets import AssetError
     from qat_lora.runtime.files import first_line
     from qat_lora.runtime.runs import RunDiverged
+    from qat_lora.runtime.writes import disk_error
+    from safetensors import SafetensorError
 
     prefix = f"{script or 'qat-lora ' + args.command}: error: "
     try:
@@ -255,6 +273,10 @@ def main(argv: Sequence[str] | None = None, script: str | None = None, defaults:
         return 2
     except (OSError, RunDiverged) as e:  # a full or read-only disk, a diverged run: not a bad flag, still one line
         fix = _OS_FIXES.get(getattr(e, "errno", None))
+        print(prefix + first_line(e) + (f"; {fix}" if fix else ""), file=sys.stderr)
+        return 1
+    except SafetensorError as e:  # a library's save or load past the writers in runtime/ (which name the file)
+        fix = _OS_FIXES.get(getattr(disk_error(e, "."), "errno", None))
         print(prefix + first_line(e) + (f"; {fix}" if fix else ""), file=sys.stderr)
         return 1
     except RuntimeError as e:

@@ -12,10 +12,10 @@ from qat_lora.data.config import TextInput
 from qat_lora.data.models import model_context
 from qat_lora.data.text import list_text_files
 from qat_lora.runtime.files import check_out_apart_from_inputs
-from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check_output_file, require_at_most,
-                                      require_non_negative, require_positive, require_seed)
+from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check_output_file, refuse_unused_flags,
+                                      require_at_most, require_non_negative, require_positive, require_seed)
 from qat_lora.cache.config import CacheBuildConfig
-from qat_lora.cache.encodings import encoding_from_flags
+from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encoding_from_flags
 from qat_lora.quant.fake_quant import get_preset
 from qat_lora.train.config import StudentSpec, check_adapter, check_lora_init
 
@@ -49,6 +49,7 @@ class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
             raise ValueError("--adapter needs --quant: it belongs to a quantised student (pass the run's --quant)")
         self.text_decoding()
         self.check_precision()
+        refuse_unused_flags(self)
         super().__post_init__()
         if self.text:
             list_text_files(self.text, "--text")  # a typo in --text fails before the model loads
@@ -60,6 +61,14 @@ class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
             check_out_apart_from_inputs(self.json_out, {"--model": self.model, "--adapter": self.adapter,
                                                         "--quantizer": self.quantizer, "--cache": self.cache,
                                                         "--text": self.text}, "--json-out")
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        unused = {} if self.text else dict.fromkeys(("seq_len", "max_tokens", "text_encoding", "text_errors"),
+                                                    "--text (they set how its perplexity is measured)")
+        if self.device in ("cpu", "cuda"):
+            unused["xla_cache_dir"] = f"an XLA device (--device xla, tpu or auto; not {self.device})"
+        return unused
 
 
 DATA_INITS = ("none", "act", "gptq")
@@ -74,7 +83,7 @@ def _own_init(config: StudentSpec, purpose: str, instead: str) -> None:
 
 
 @dataclass
-class QuantizeConfig(StudentSpec):
+class QuantizeConfig(StudentSpec, DeviceInput):
     init: str = field(default="gptq", metadata={"help": "data-aware initialisation on top of the preset's own: gptq "
                                                         "(Hessian-aware rounding, weights move), act (clipping search "
                                                         "weighted by activations) or none"})
@@ -91,8 +100,11 @@ class QuantizeConfig(StudentSpec):
     out: str = field(default="runs/init", metadata={"help": "folder for quantizer.safetensors, quantize.json and "
                                                             "blocks/ (block-wise progress)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing init in --out"})
+    device: str = DeviceInput.device_field(": each decoder layer runs there in turn while the model stays on the host "
+                                           "(GPTQ's column loop: on CUDA there, else on the host)")
 
     def __post_init__(self) -> None:
+        self.check_device()
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         if self.init != "none" and not self.cache:
@@ -110,7 +122,19 @@ class QuantizeConfig(StudentSpec):
             raise ValueError(f"--damp {self.damp}: must be in (0, 1)")
         _own_init(self, "initialise", "quantize builds a new init from the preset; pass its output to train, eval "
                   "or export instead")
+        refuse_unused_flags(self)
         super().__post_init__()
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        unused = {} if self.init == "gptq" else dict.fromkeys(("damp", "act_order"), f"--init gptq (not {self.init})")
+        if not self.blockwise_steps:
+            unused.update(dict.fromkeys(("blockwise_lr", "blockwise_quant_lr"), "--blockwise-steps > 0"))
+            if self.init == "none":  # nothing reads the cache: no calibration, no block-wise steps
+                unused.update(dict.fromkeys(("cache", "calib_sequences", "batch_size"),
+                                            "--init act or gptq, or --blockwise-steps > 0 (--init none calibrates "
+                                            "nothing)"))
+        return unused
 
 
 QAT_STAGES = ("none", "weight-qat", "qat")
@@ -203,7 +227,27 @@ class RecoverConfig(StudentSpec, DeviceInput):
         self.check_device()  # it reaches the device only in stage 2, after the init has run
         _own_init(self, "recover", "recover builds its own init; to start from a trained quantiser use qat-lora "
                   "train --quantizer")
+        refuse_unused_flags(self)
         super().__post_init__()
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        unused = {}
+        if not self.blockwise_steps:
+            unused.update(dict.fromkeys(("blockwise_lr", "blockwise_quant_lr"), "--blockwise-steps > 0"))
+        if self.qat == "none":
+            unused.update(dict.fromkeys(("qat_steps", "qat_lr", "weight_lr"), "--qat weight-qat or qat (stage 2)"))
+        elif self.qat != "weight-qat":
+            unused["weight_lr"] = f"--qat weight-qat (--qat {self.qat} trains no weights)"
+        if not self.lora_steps:
+            unused.update(dict.fromkeys(("lr", "lr_probe_steps", "lora_r", "lora_init"),
+                                        "--lora-steps > 0 (stage 3, the LoRA)"))
+        elif len(self.lr) == 1:
+            unused["lr_probe_steps"] = "several --lr rates (one rate is not probed)"
+        calibrated_lora = self.lora_steps and self.lora_init == "calibrated"
+        if self.init == "none" and not self.blockwise_steps and not calibrated_lora:
+            unused["calib_sequences"] = "--init act or gptq, --blockwise-steps > 0 or --lora-init calibrated"
+        return unused
 
 
 @dataclass
@@ -228,7 +272,16 @@ class GenerateConfig(StudentSpec, DeviceInput):
         require_seed(self.seed)
         self.check_device()
         check_adapter(self.adapter)
+        refuse_unused_flags(self)
         super().__post_init__()
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        unused = {} if self.temperature > 0 else dict.fromkeys(
+            ("top_p", "seed"), "--temperature > 0 (--temperature 0 decodes greedily: nothing is sampled)")
+        if self.prompt:  # generate: one user message; only chat opens with a system message
+            unused["system"] = "qat-lora chat (generate sends --prompt alone)"
+        return unused
 
 
 def default_lora_lr(teacher: str, lora_r: int) -> float:
@@ -276,6 +329,7 @@ class DemoConfig(DeviceInput):
         check_lora_init(self.lora_init, folder_allowed=False)
         # The cache's own checks, before anything downloads (the demo keeps build-cache's --value-bits).
         encoding_from_flags(self.encoding, self.top_k, CacheBuildConfig.value_bits, self.num_samples)
+        SampledEncoding(self.num_samples), TopKEncoding(self.top_k, 16)  # 0 here is a value, not "not given"
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
         if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used
@@ -283,3 +337,11 @@ class DemoConfig(DeviceInput):
         require_positive(self, "lr", finite=True)
         require_at_most(self, lr=MAX_LR)
         self.check_device()
+        refuse_unused_flags(self)
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        unused = {"num_samples": "--encoding sampled"} if self.encoding == "topk" else {"top_k": "--encoding topk"}
+        if self.init == "none" and self.lora_init != "calibrated":
+            unused["calib_sequences"] = "--init act or gptq, or --lora-init calibrated"
+        return unused

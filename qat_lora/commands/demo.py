@@ -46,7 +46,7 @@ def _init(cfg: DemoConfig, teacher: str, cache_dir: Path, work: Path) -> str:
         return ""
     init = QuantizeConfig(model=teacher, quant=cfg.quant, init=cfg.init, cache=str(cache_dir),
                           calib_sequences=cfg.calib_sequences, batch_size=cfg.batch_size,
-                          out=str(work / f"init-{cfg.quant}-{cfg.init}"), overwrite=True)
+                          out=str(work / f"init-{cfg.quant}-{cfg.init}"), overwrite=True, device=cfg.device)
     if not init_is_current(init):
         print(f"{cfg.init} init of the {cfg.quant} student on {cfg.calib_sequences} cached sequences")
         quantize(init, log=lambda line: None)
@@ -76,6 +76,14 @@ def _check_work_dir(work: Path) -> None:
 
 
 DEMO_KIND, RESULT_FILE = "demo", "demo.json"
+
+
+def _student_paths(teacher: str, quant: str, quantizer: str, adapter: str) -> dict:
+    """Every path the recovered student is loaded from (the train summary names only what the run trained, not
+    the init's quantiser under its adapter), and the command that talks to it."""
+    flags = f"--model {teacher} --quant {quant}" + (f" --quantizer {quantizer}" if quantizer else "")
+    return {"model": teacher, "quant": quant, "quantizer": quantizer or None, "adapter": adapter,
+            "generate": f"qat-lora generate {flags} --adapter {adapter} --prompt <text>"}
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -116,6 +124,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     teacher_ppl, ptq_ppl, rec_ppl = rows[0]["ppl"], rows[1]["ppl"], rows[-1]["ppl"]
     gap = (ptq_ppl - rec_ppl) / (ptq_ppl - teacher_ppl) if ptq_ppl != teacher_ppl else float("nan")
     result = {**owner_stamp(DEMO_KIND), "config": cfg.__dict__, "rows": rows, "gap_recovered": gap, "train": summary,
+              "student": _student_paths(teacher, cfg.quant, quantizer, summary["adapter"]),
               "wall_s": round(time.perf_counter() - started, 1)}
     atomic_write_json(work / RESULT_FILE, result)
     init = f" {rows[2]['ppl']:.2f} |" if quantizer else " – |"
@@ -124,4 +133,5 @@ def run_demo(cfg: DemoConfig) -> dict:
           f"| {teacher_ppl:.2f} | {ptq_ppl:.2f} |{init} {rec_ppl:.2f} | {100 * gap:.1f} % | "
           f"{result['wall_s'] / 60:.1f} min |")
     print(f"(training: {summary['tokens']:,} tokens in {summary['wall_s']:.0f} s; results in {work / 'demo.json'})")
+    print(f"talk to the recovered student: {result['student']['generate']}")
     return result

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 
 from qat_lora.runtime import device as dev
@@ -14,6 +15,7 @@ from qat_lora.data import models
 from qat_lora.cache.reader import KDCache
 from qat_lora.commands.config import EVAL_KIND, EvalConfig
 from qat_lora.runtime.files import atomic_write_json, owner_stamp
+from qat_lora.runtime.runs import RunDiverged
 from qat_lora.train.metrics import kd_metrics, perplexity
 from qat_lora.quant.state import bits_per_weight
 from qat_lora.train.student import adapter_bits_per_weight, load_student, resolve_attn
@@ -40,7 +42,24 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     if cache is not None:
         cache.check_compatible(tokenizer, models.vocab_size(model), models.max_positions(model))
         result.update(kd_metrics(model, cache, cfg.batch_size, device, progress=True, amp_dtype=amp_dtype))
-    if cfg.json_out:
+    if cfg.json_out:  # a non-finite metric is written as null (valid JSON), then reported below
         atomic_write_json(cfg.json_out, {**owner_stamp(EVAL_KIND), **result, "config": asdict(cfg)})
-    log(json.dumps(result, indent=2))
+    bad = [k for k, v in result.items() if isinstance(v, float) and not math.isfinite(v)]
+    log(json.dumps({k: None if k in bad else v for k, v in result.items()}, indent=2))
+    if bad:
+        _report_non_finite(cfg, bad[0], result[bad[0]])
     return result
+
+
+def _report_non_finite(cfg: EvalConfig, metric: str, value: float) -> None:
+    """A NaN / inf metric is no result: the command fails (exit 1), naming the metric and its likely cause.
+
+    Raises:
+        RunDiverged: always.
+    """
+    suspects = " or ".join(f"{flag} {path}" for flag, path in (("--adapter", cfg.adapter),
+                                                              ("--quantizer", cfg.quantizer)) if path)
+    cause = (f"{suspects} likely holds NaN or inf weights (from a diverged run: use an earlier checkpoint)"
+             if suspects else f"--model {cfg.model} likely holds NaN or inf weights")
+    raise RunDiverged(f"{metric} is {value} (not finite): {cause}, or the forward overflowed (try --precision fp32)"
+                      + (f"; {cfg.json_out} records it as null" if cfg.json_out else ""))

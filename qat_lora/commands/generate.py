@@ -165,6 +165,9 @@ def _tolerant_stdin():
 def chat(cfg: GenerateConfig, read: Callable[[str], str] = input,
          on_text: Callable[[str], None] = _print_piece) -> None:
     """`qat-lora chat`: a conversation on stdin; an empty line, /exit or end of input stops."""
+    if read is input and (sys.stdin is None or sys.stdin.closed):  # started with `<&-`: no model load for nothing
+        print("qat-lora chat: no input (stdin is closed); nothing to reply to", file=sys.stderr)
+        return
     device = dev.resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_generator(cfg)
@@ -179,7 +182,9 @@ def _converse(model, tokenizer, cfg: GenerateConfig, device: torch.device, read:
     while True:
         try:
             line = read("> ").strip()
-        except EOFError:
+        except EOFError:  # Ctrl-D, the end of a piped file, `< /dev/null`: the conversation ends, exit 0
+            on_text("\n")  # the prompt's line
+            print("qat-lora chat: end of input; conversation ended", file=sys.stderr)
             break
         _REPLACED.tell_once()
         if line in ("", "/exit"):

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from qat_lora.data import models
+from qat_lora.runtime import device as dev
 from qat_lora.cache.reader import KDCache
 from qat_lora.quant.blockwise import reconstruct_blocks_
 from qat_lora.quant.calibration import activation_importance, calibration_batches
@@ -45,8 +46,17 @@ def init_is_current(cfg: QuantizeConfig) -> bool:
     cache (state and report written)."""
     report = read_record(Path(cfg.out) / REPORT_FILE) or {}
     inputs = report.get("inputs")
-    return (Path(cfg.out) / QUANTIZER_FILE).exists() and report.get("config") == asdict(cfg) and \
+    return (Path(cfg.out) / QUANTIZER_FILE).exists() and _settings(report.get("config")) == _settings(asdict(cfg)) and \
         report.get("complete", True) and (inputs is None or inputs == models.input_identities(cfg.model, cfg.cache))
+
+
+# Where an init ran is not what it is: a rerun on another device reuses it (records from before --device lack it).
+PLACEMENT_FIELDS = ("device",)
+
+
+def _settings(config: dict | None) -> dict | None:
+    """A recorded init config without its placement fields."""
+    return None if config is None else {k: v for k, v in config.items() if k not in PLACEMENT_FIELDS}
 
 
 def _check_out(cfg: QuantizeConfig) -> Path:
@@ -94,12 +104,13 @@ def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None]) -> dic
         # sequences: 52.5 ppl vs 29.0; docs/RESULTS.md), as the error feedback widens each group's range.
         # K-quants and q4_1's float offsets keep their own init: their grids admit llama.cpp's min/max only.
         preset = replace(preset, init="mse")
+    device = dev.resolve_device(cfg.device)  # where each decoder layer runs in turn; the model stays on the host
     if cfg.init == "act":
-        quantize_(model, preset, importance=activation_importance(model, batches, preset))
+        quantize_(model, preset, importance=activation_importance(model, batches, preset, device=device))
     else:
         quantize_(model, preset)
     if cfg.init == "gptq":
-        report["gptq"] = gptq_(model, batches, damp=cfg.damp, act_order=cfg.act_order, log=log)
+        report["gptq"] = gptq_(model, batches, damp=cfg.damp, act_order=cfg.act_order, device=device, log=log)
     if cfg.blockwise_steps:
         # Every init above is deterministic, so a rerun after a stop rebuilds the same start and the blocks
         # saved under blocks/ load instead of training again (their progress records that start's fingerprint).

@@ -20,6 +20,7 @@ Rerun the same command after a stop: finished stages are skipped, an interrupted
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -32,9 +33,14 @@ from qat_lora.cache.reader import KDCache
 from qat_lora.runtime.files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record,
                     require_folder)
 from qat_lora.train.lora import lora_start_
-from qat_lora.commands.quantize import REPORT_FILE, init_is_current, quantize
-from qat_lora.runtime.runs import QUANTIZER_FILE, RunDiverged, check_run_folder
-from qat_lora.train.student import build_student, make_trainable_
+from qat_lora.commands.quantize import PLACEMENT_FIELDS, REPORT_FILE, quantize
+from qat_lora.runtime import device as dev, precision
+from qat_lora.runtime.options import field_defaults
+from qat_lora.runtime.runs import (ADAPTER_DIR, BEST_DIR, CONFIG_FILE, QUANTIZER_FILE, RUN_KIND, RUN_LEGACY_KEYS,
+                                   RunDiverged, check_run_folder, read_config, read_summary)
+from qat_lora.train.checkpoint import RESUME_FREE_FIELDS
+from qat_lora.train.run import run_inputs
+from qat_lora.train.student import build_student, make_trainable_, save_adapter, student_base
 from qat_lora.train.trainer import train
 
 SUMMARY_FILE = "recover.json"
@@ -58,13 +64,13 @@ def _init_stage(cfg: RecoverConfig, log: Callable[[str], None]) -> str:
                           calib_sequences=cfg.calib_sequences, blockwise_steps=cfg.blockwise_steps,
                           blockwise_lr=cfg.blockwise_lr, blockwise_quant_lr=cfg.blockwise_quant_lr,
                           batch_size=min(QuantizeConfig.batch_size, cfg.calib_sequences),
-                          out=str(Path(cfg.out) / "init"), overwrite=True)
-    if init_is_current(init):
+                          out=str(Path(cfg.out) / "init"), overwrite=True, device=cfg.device)
+    report = read_record(Path(init.out) / REPORT_FILE)
+    same = _same_init(report, init)
+    if same and report.get("complete", True) and (Path(init.out) / QUANTIZER_FILE).exists():
         log(f"stage 1 (init): done already, {Path(init.out) / QUANTIZER_FILE}")
         return str(Path(init.out) / QUANTIZER_FILE)
-    report = read_record(Path(init.out) / REPORT_FILE)  # an interrupted init of these settings runs again
-    if report is not None and (report.get("config") != asdict(init) or report.get("inputs") not in (
-            None, models.input_identities(init.model, init.cache))):
+    if report is not None and not same:  # an interrupted init of these settings runs again
         raise ValueError(f"--out {cfg.out}: its init/ was made with other settings or from another --model or "
                          "--cache (their contents changed); use another --out")
     quantize(init, log)
@@ -77,8 +83,70 @@ def _train_stage(cfg: RecoverConfig, name: str, quantizer: str, log: Callable[[s
                   batch_size=cfg.batch_size, accumulation_steps=cfg.accumulation_steps, save_steps=cfg.save_steps,
                   seed=cfg.seed, device=cfg.device, resume="auto")
     train_cfg = TrainConfig(**{**common, **fields})
+    done = _finished_stage(train_cfg)
+    if done is not None:
+        log(f"stage {name}: done already, {train_cfg.out}")
+        return done
     log(f"stage {name}: {train_cfg.preset}, {train_cfg.max_steps} steps")
     return train(train_cfg, log, rerun="rerun the same qat-lora recover command to continue")
+
+
+# Where a stage's settings name a file, recover compares what it holds (the recorded input identities) or, inside
+# --out, where it lies there: never the spelling, so the same --out by another path, or a copy, is the same run.
+_INPUT_PATHS = ("model", "cache")
+
+
+def _same_inputs(config: dict, inputs, current: dict, identities: dict) -> bool:
+    """--model and --cache of a recorded `config` against the current ones: by their contents where the record
+    identified them (`inputs`), by their spelling where it could not (a hub name, a record older than inputs)."""
+    for key in _INPUT_PATHS:
+        known = inputs.get(key) if isinstance(inputs, dict) else None
+        if (known != identities.get(key)) if known is not None else (config.get(key) != current.get(key)):
+            return False
+    return True
+
+
+def _within(value, root: str) -> object:
+    """A path inside `root` as its place there (init/quantizer.safetensors); any other value as it is."""
+    if not isinstance(value, str) or not value:
+        return value
+    try:
+        return Path(os.path.abspath(value)).relative_to(os.path.abspath(root)).as_posix()
+    except ValueError:
+        return value
+
+
+def _same_init(report: dict | None, init: QuantizeConfig) -> bool:
+    """Whether quantize.json `report` records an init of `init`'s settings from the same --model and --cache."""
+    config = (report or {}).get("config")
+    if not isinstance(config, dict):
+        return False
+    current, skip = asdict(init), ("out", *_INPUT_PATHS, *PLACEMENT_FIELDS)
+    return {k: v for k, v in config.items() if k not in skip} == {k: v for k, v in current.items() if k not in skip} \
+        and _same_inputs(config, report.get("inputs"), current, models.input_identities(init.model, init.cache))
+
+
+def _finished_stage(train_cfg: TrainConfig) -> dict | None:
+    """The summary of a finished run in the stage's folder made with these settings from the same inputs, its
+    artefacts named where the folder is now; None otherwise (train then resumes it, or explains what differs)."""
+    out = Path(train_cfg.out)
+    summary, saved = read_summary(out), read_config(out)
+    if summary is None or saved is None or summary["steps"] < train_cfg.max_steps or \
+            not owned_by(out / CONFIG_FILE, RUN_KIND, RUN_LEGACY_KEYS):
+        return None
+    inputs, identities, current = saved.get("inputs"), run_inputs(train_cfg), asdict(train_cfg)
+    if current["loss_chunk_size"] < 0:  # auto: the run recorded the size that ran (trainer.train)
+        current["loss_chunk_size"] = precision.default_loss_chunk_size(dev.resolve_device(train_cfg.device))
+    if not isinstance(inputs, dict) or any(inputs.get(k) != v for k, v in identities.items() if k not in _INPUT_PATHS):
+        return None  # the quantiser or the online teacher differ (or were never recorded)
+    saved = {**field_defaults(TrainConfig), **saved}
+    then, now = str(Path(str(saved.get("out"))).parent), str(out.parent)  # the recover folder, spelled then and now
+    if not _same_inputs(saved, inputs, current, identities) or any(
+            _within(saved.get(k), then) != _within(v, now) for k, v in current.items()
+            if k not in RESUME_FREE_FIELDS and k not in _INPUT_PATHS):
+        return None
+    return {**summary, **{key: str(out / name) if summary.get(key) else None for key, name in (
+        ("adapter", ADAPTER_DIR), ("quantizer", QUANTIZER_FILE), ("best", BEST_DIR))}}
 
 
 def _lora_fields(cfg: RecoverConfig, lr: float, steps: int, start: str) -> dict:
@@ -106,7 +174,7 @@ def _lora_start(cfg: RecoverConfig, quantizer: str, log: Callable[[str], None]) 
     lora_start_(model, "calibrated", cfg.model, cfg.cache, cfg.calib_sequences, cfg.batch_size, log)
     staging = folder.with_name(folder.name + ".partial")  # written aside, then renamed: never half a start
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(str(staging))
+    save_adapter(model, staging, settings["inputs"]["model"], student_base(model, folder))  # the umask's modes
     atomic_write_json(staging / LORA_START_RECORD, {**owner_stamp(LORA_START_KIND), "settings": settings})
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
@@ -130,7 +198,8 @@ def _choose_lr(cfg: RecoverConfig, quantizer: str, start: str, log: Callable[[st
         try:
             summary = _train_stage(cfg, _probe_folder(lr), quantizer, log, eval_steps=steps, save_steps=0,
                                    **_lora_fields(cfg, lr, steps, start))
-            scores[lr] = summary["best_eval_loss"]
+            loss = summary["best_eval_loss"]  # NaN would win min() when listed first: it ranks as a diverged rate
+            scores[lr] = loss if loss is not None and math.isfinite(loss) else math.inf
         except RunDiverged:  # too high a rate: it loses, the others still run
             scores[lr] = math.inf
         log(f"stage 3a (lr probe): lr {lr:g}, held-out KD loss {scores[lr]:.4f} after {steps} steps")

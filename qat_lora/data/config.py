@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qat_lora.data.text import TextDecoding
-from qat_lora.runtime.options import DeviceInput, require_positive, require_seed
+from qat_lora.runtime.options import DeviceInput, refuse_unused_flags, require_positive, require_seed
 
 
 @dataclass
@@ -46,14 +46,16 @@ class GenerateDataConfig(TextInput, DeviceInput):
     shard_samples: int = field(default=64, metadata={"help": "samples per part-*.jsonl (the unit of resume)"})
     seed: int = field(default=0, metadata={"help": "sampling seed (each shard derives its own)"})
     device: str = DeviceInput.device_field()  # checked where the teacher loads (device.resolve_device)
+    overwrite: bool = field(default=False, metadata={"help": "replace an earlier corpus in --out (its shards and "
+                                                             "generate.json) instead of continuing it"})
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model is required: the teacher that writes the corpus")
         if bool(self.data) == bool(self.prompts):
             raise ValueError("pass exactly one of --data (corpus passages as prompts) or --prompts (a file)")
-        require_positive(self, "prefix_tokens", "stride", "tokens", "max_new_tokens", "temperature", "batch_size",
-                         "shard_samples")
+        require_positive(self, "prefix_tokens", "stride", "tokens", "max_new_tokens", "batch_size", "shard_samples")
+        require_positive(self, "temperature", finite=True)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.shard_samples > 1000:  # batch seeds are seed + 1000 * shard + batch start: keep them distinct
@@ -63,3 +65,10 @@ class GenerateDataConfig(TextInput, DeviceInput):
                              f"which caps each generate call; pass --shard-samples {self.batch_size} (or more) too")
         require_seed(self.seed)
         self.text_decoding()
+        refuse_unused_flags(self)
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        if self.prompts:
+            return dict.fromkeys(("prefix_tokens", "stride"), "--data (--prompts are used whole)")
+        return {"raw_prompts": "--prompts (--data passages are plain text already)"}

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from qat_lora.runtime import xla
-from qat_lora.runtime.files import first_line, sha256_file
+from qat_lora.runtime.files import first_line, register_named_folder, sha256_file
 
 
 # The model families the toolkit is tested on (tests/test_families.py: cache, GPTQ and block-wise init, training,
@@ -71,6 +72,17 @@ def fetched_teacher(name: str) -> Path | None:
     return Assets.at(default_assets_dir(), name).teacher_dir
 
 
+def _fetched_folder(name: str) -> Path | None:
+    """A fetched teacher's folder for its name, or None (not a teacher's name, or not fetched: nothing on disk)."""
+    try:
+        return fetched_teacher(name)
+    except ValueError:
+        return None
+
+
+register_named_folder(_fetched_folder)  # --out apart from --model smollm2-135m: its folder in the asset cache
+
+
 def _path(name_or_path: str | Path) -> Path:
     """Where a model named by the user lies: the path itself, or a fetched teacher's folder for its name."""
     path = Path(name_or_path).expanduser()
@@ -112,6 +124,8 @@ def read_model_config(name_or_path: str | Path) -> dict | None:
     if not path.is_dir():
         return None
     file = path / "config.json"
+    if not file.is_file() and (file.exists() or file.is_symlink()):  # a folder, a broken or looping link
+        raise ValueError(f"model {name}: cannot load: {file} is not a readable file; {_RECOPY}")
     if not file.is_file():
         raise ValueError(f"model {name}: folder has no config.json; pass a transformers model folder or a .gguf file")
     try:
@@ -136,14 +150,17 @@ def model_context(model: str) -> int | None:
     return limit if isinstance(limit, int) else None
 
 
-def _damaged_json(name_or_path: str | Path) -> Path | None:
-    """The first .json file of a model folder that does not parse (a cut-short copy), if any."""
+def _damaged_json(name_or_path: str | Path) -> tuple[Path, str] | None:
+    """The first .json file of a model folder that does not parse (a cut-short copy) or cannot be read (a
+    folder or a looping link by that name), and what is wrong with it; None if there is none."""
     path = _path(name_or_path)
     for file in sorted(path.glob("*.json")) if path.is_dir() else []:
         try:
             json.loads(file.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            return file
+            return file, "is not valid JSON (truncated?)"
+        except OSError:
+            return file, "is not a readable file"
     return None
 
 
@@ -152,13 +169,17 @@ def load_tokenizer(name_or_path: str | Path):
     from transformers import AutoTokenizer
 
     location, kwargs = _location(name_or_path)
+    folder = _path(name_or_path)
+    for file in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if not file.is_file():  # a folder or a looping link by that name: transformers would skip it silently
+            raise ValueError(f"model {name_or_path}: cannot load: {file} is not a readable file; {_RECOPY}")
     try:
         return AutoTokenizer.from_pretrained(location, **kwargs)
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file
         damaged = _damaged_json(name_or_path)
         if damaged is not None:  # transformers' own message names no file (a JSONDecodeError's position only)
-            raise ValueError(f"tokenizer of {name_or_path}: cannot load: {damaged} is not valid JSON (truncated?); "
-                             f"{_RECOPY}") from None
+            file, problem = damaged
+            raise ValueError(f"tokenizer of {name_or_path}: cannot load: {file} {problem}; {_RECOPY}") from None
         raise ValueError(f"tokenizer of {name_or_path}: cannot load ({first_line(e)}); is the file complete?") from None
 
 
@@ -167,7 +188,9 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     """A transformers causal LM in eval mode on the CPU, fp32 by default.
 
     Raises:
-        ValueError: missing path or unloadable model, in one line naming it.
+        ValueError: missing path or unloadable model, or a config.json that does not match the weights (edited,
+            or weights of another model copied in: transformers would leave the missing weights random), in one
+            line naming it.
     """
     xla.keep_torch_xla_unloaded()
     from transformers import AutoModelForCausalLM
@@ -177,14 +200,60 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
         kwargs["attn_implementation"] = attn_implementation
     from safetensors import SafetensorError
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
+    report = _HeldReport()
+    loader_log = logging.getLogger("transformers.modeling_utils")
+    loader_log.addFilter(report)
+    try:  # mismatched shapes load (and are refused below) rather than raise after a table of every weight
+        model, info = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **kwargs)
     except SafetensorError as e:  # a weights file cut short by a full disk or an interrupted copy
         raise ValueError(f"model {name_or_path}: a weights file is damaged or truncated ({first_line(e)}); copy or "
                          "download the model again") from None
     except OSError as e:
         raise ValueError(f"model {name_or_path}: cannot load ({first_line(e)})") from None
+    finally:
+        loader_log.removeFilter(report)
+    mismatch = None if "gguf_file" in kwargs else _config_mismatch(info)  # a .gguf holds its config with its tensors
+    if mismatch:
+        raise ValueError(f"model {name_or_path}: its config.json does not match its weights ({mismatch}); restore "
+                         f"the config.json that came with the weights, or {_RECOPY}")
+    for record in report.held:  # nothing refused: transformers' report (tied weights, ...) as it would have been
+        loader_log.handle(record)
     return model.eval()
+
+
+class _HeldReport(logging.Filter):
+    """Holds back transformers' load report (weights missing, unexpected or of another shape: a table of
+    dozens of lines) while a model loads, so that a mismatch ends in one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
+
+
+def _config_mismatch(info: dict) -> str | None:
+    """What a load's info (from_pretrained's output_loading_info) says config.json and the weights files
+    disagree on, or None when every weight the config asks for was loaded, at its shape."""
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda m: m[0])
+    missing, unexpected = sorted(info.get("missing_keys") or []), sorted(info.get("unexpected_keys") or [])
+
+    def more(keys: list) -> str:
+        return f", {len(keys) - 1} more" if len(keys) > 1 else ""
+
+    if mismatched:
+        key, stored, expected = mismatched[0]
+        return f"{key} is {list(stored)} in the weights, {list(expected)} by config.json{more(mismatched)}"
+    if missing:
+        return f"config.json asks for {missing[0]}, which no weights file holds{more(missing)}"
+    if unexpected:
+        return f"the weights hold {unexpected[0]}, which config.json has no place for{more(unexpected)}"
+    return None
 
 
 def max_positions(model: nn.Module) -> int | None:

@@ -12,11 +12,13 @@ continuation; chat prompts as {"messages"}, read by build-cache --chat) plus gen
 then the totals). Each shard has its own seeds and is written under a temp name, then renamed: a rerun after a
 stop skips the finished shards and produces the same files as an uninterrupted run (on the same device). A
 larger --tokens on the same folder continues the corpus (the earlier run's last shard stays as the budget cut it).
+generate.json records the fingerprints of the inputs (the --data / --prompts files, the teacher's weights and
+config), as build-cache's progress does: a rerun after either changed is refused, never a corpus of two sources;
+--overwrite starts the corpus again.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from dataclasses import asdict
@@ -32,7 +34,8 @@ from qat_lora.runtime import device as dev
 from qat_lora.data import models
 from qat_lora.runtime.options import field_defaults
 from qat_lora.data.config import GenerateDataConfig
-from qat_lora.runtime.files import FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record
+from qat_lora.runtime.files import (FolderLock, atomic_write_json, atomic_write_text, check_out_apart_from_inputs,
+                                    owned_by, owner_stamp, read_record)
 
 REPORT_FILE = data.GENERATED_REPORT
 SHARD = "part-{index:05d}.jsonl"
@@ -156,9 +159,10 @@ def _check_out_path(out: Path, cfg: GenerateDataConfig) -> None:
     check_out_apart_from_inputs(out, {"--model": cfg.model, "--data": cfg.data, "--prompts": cfg.prompts})
 
 
-def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
+def _check_out(out: Path, cfg: GenerateDataConfig) -> dict | None:
     """Refuse a folder holding anything generate-data did not write, or a corpus generated with other settings
-    (never mix two corpora, never write among a user's files)."""
+    (never mix two corpora, never write among a user's files); returns the earlier corpus's report, which a rerun
+    continues (None: a new corpus, or --overwrite)."""
     foreign = sorted(p.name for p in out.iterdir() if not (_OWN_FILE.fullmatch(p.name) and p.is_file())) \
         if out.exists() else []
     if foreign:
@@ -166,17 +170,51 @@ def _check_out(out: Path, cfg: GenerateDataConfig) -> None:
                          "); pass an empty or new folder")
     report = out / REPORT_FILE
     if not report.exists():
-        return
+        if cfg.overwrite and any(out.glob("part-*.jsonl")):  # shards no report of ours accounts for
+            raise ValueError(f"--out {out}: holds part-*.jsonl files but no {REPORT_FILE}, so nothing proves them "
+                             "generate-data's; pass an empty or new folder")
+        return None
     # Reports from before the stamp existed are recognised by their keys.
     if not owned_by(report, "generate-data", legacy_keys=("config", "complete")) or \
             not isinstance(read_record(report).get("config"), dict):
         raise ValueError(f"--out {out}: holds a {REPORT_FILE} that generate-data did not write; pass an empty or new "
                          "folder")
+    if cfg.overwrite:  # replaced once the inputs have loaded (_replace_corpus)
+        return None
     # The budget may grow: shard i does not depend on it, so a larger --tokens continues the corpus. Nor does the
     # folder's own path: a copied or moved corpus continues where it is.
     saved = {**field_defaults(GenerateDataConfig), **read_record(report)["config"]}  # older reports lack later flags
-    if {**saved, "tokens": cfg.tokens, "out": cfg.out} != asdict(cfg):
-        raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder")
+    if {**saved, "tokens": cfg.tokens, "out": cfg.out, "overwrite": cfg.overwrite} != asdict(cfg):
+        raise ValueError(f"--out {out}: holds a corpus generated with other settings; use another folder or "
+                         "--overwrite")
+    return read_record(report)
+
+
+def _corpus_fingerprint(cfg: GenerateDataConfig) -> str:
+    """data.corpus_fingerprint of the prompts' source: the --data files, or the --prompts file."""
+    return data.corpus_fingerprint(data.list_text_files(cfg.data) if cfg.data else [Path(cfg.prompts)])
+
+
+def _check_same_inputs(saved: dict | None, inputs: dict, cfg: GenerateDataConfig, out: Path) -> None:
+    """Refuse to continue a corpus whose --data / --prompts or teacher changed since it was started: its new
+    shards would continue another source's. Reports from before the fingerprints were kept: nothing to compare.
+
+    Raises:
+        ValueError: one line naming the flag, and the ways out (restore it, or --overwrite).
+    """
+    source = f"--data {' '.join(cfg.data)}" if cfg.data else f"--prompts {cfg.prompts}"
+    for key, what in (("corpus_sha256", f"{source}: the text"), ("teacher", f"--model {cfg.model}: the teacher "
+                                                                           "(its weights or config)")):
+        if key in inputs and (saved or {}).get(key, inputs[key]) != inputs[key]:
+            raise ValueError(f"{what} changed since the corpus in {out} was started ({REPORT_FILE} records "
+                             "another); restore it, or pass --overwrite to generate the corpus again")
+
+
+def _replace_corpus(out: Path) -> None:
+    """--overwrite: remove the earlier corpus (only the names generate-data writes; _check_out vetted the folder)."""
+    for path in out.iterdir() if out.exists() else []:
+        if _OWN_FILE.fullmatch(path.name) and path.is_file():
+            path.unlink()
 
 
 def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -> dict:
@@ -189,21 +227,29 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
     out = Path(cfg.out)
     _check_out_path(out, cfg)
     with FolderLock(out, "--out"):  # a second generate-data into this folder fails at once instead of mixing
-        _check_out(out, cfg)
-        return _generate(cfg, out, log)
+        saved = _check_out(out, cfg)
+        return _generate(cfg, out, saved, log)
 
 
-def _generate(cfg: GenerateDataConfig, out: Path, log: Callable[[str], None]) -> dict:
+def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Callable[[str], None]) -> dict:
     tokenizer = models.load_tokenizer(cfg.model)
     # Corpus prompts for a few times the samples a full-length budget needs; an early EOS (short answers)
     # needs more samples, and the prompts then cycle with fresh seeds.
     prompts, chat = _prompts(cfg, tokenizer, 4 * -(-cfg.tokens // cfg.max_new_tokens))
+    inputs = {"corpus_sha256": _corpus_fingerprint(cfg)}
+    _check_same_inputs(saved, inputs, cfg, out)  # the text first: a changed corpus fails before the model loads
     model = models.load_causal_lm(cfg.model)
+    identity = models.model_fingerprint(model, cfg.model)  # of the weights as stored, as build-cache records it
+    inputs["teacher"] = {k: identity[k] for k in ("weights_sha256", "config_sha256")}
+    _check_same_inputs(saved, inputs, cfg, out)
     device = dev.resolve_device(cfg.device)
     dev.move_model_(model, device).eval()
+    if cfg.overwrite:  # the inputs have loaded: only now is the earlier corpus removed
+        _replace_corpus(out)
     out.mkdir(parents=True, exist_ok=True)
-    # The settings first, so a rerun with others is refused, not mixed.
-    atomic_write_json(out / REPORT_FILE, {**owner_stamp("generate-data"), "config": asdict(cfg), "complete": False})
+    # The settings and inputs first, so a rerun with others is refused, not mixed.
+    atomic_write_json(out / REPORT_FILE, {**owner_stamp("generate-data"), "config": asdict(cfg), **inputs,
+                                          "complete": False})
     # Shards of shard_samples samples until the token budget is met: shard i's prompts (samples i*n ..) and
     # seeds depend only on i, so a rerun skips the finished shards and continues exactly where it stopped.
     started, tokens, samples, index = time.perf_counter(), 0, 0, 0
@@ -218,12 +264,10 @@ def _generate(cfg: GenerateDataConfig, out: Path, log: Callable[[str], None]) ->
         if not any(counts):
             raise ValueError(f"--model {cfg.model}: every sample of {path.name} ended at once (EOS first); use "
                              "other prompts, --raw-prompts or a higher --temperature")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_text(path, "\n".join(lines) + "\n")  # a full disk: no half shard, one line naming it
         samples, index = samples + len(lines), index + 1
         log(f"{path.name}: {len(lines)} samples, {tokens:,} tokens so far ({time.perf_counter() - started:.0f} s)")
-    report = {**owner_stamp("generate-data"), "config": asdict(cfg), "complete": True, "prompts": len(prompts),
+    report = {**owner_stamp("generate-data"), "config": asdict(cfg), **inputs, "complete": True, "prompts": len(prompts),
               "chat": chat, "samples": samples, "shards": index, "generated_tokens": tokens,
               "seconds": round(time.perf_counter() - started, 1)}
     atomic_write_json(out / REPORT_FILE, report)

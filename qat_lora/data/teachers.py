@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qat_lora.runtime.files import apply_umask
+from qat_lora.runtime.files import save_pretrained
 
 TEACHER_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json")
@@ -178,9 +178,9 @@ def convert_gguf_teacher(gguf: Path, out_dir: Path, log: Callable[[str], None] =
     if not (model.config.tie_word_embeddings and torch.equal(head, emb)):
         raise AssetError("lm_head is not tied to embed_tokens after loading the GGUF")
     tok.model_max_length = model.config.max_position_embeddings  # GGUF leaves it "infinite"
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    apply_umask(out_dir)  # safetensors writes 0600 files: a shared asset folder must stay readable
+    # Whole files only, with the umask's modes (a shared asset folder stays readable); a full disk is one line.
+    save_pretrained(model, out_dir, safe_serialization=True)
+    save_pretrained(tok, out_dir)
     config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
     if config.get("dtype", config.get("torch_dtype")) != "float32" or "quantization_config" in config:
         raise AssetError(f"unexpected saved config in {out_dir}: dtype or quantization_config")

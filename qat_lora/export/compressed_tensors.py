@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from qat_lora.runtime.files import save_safetensors
+from qat_lora.runtime.files import atomic_write_json, save_pretrained, save_safetensors
 from qat_lora.export.tensors import full_precision_tensors  # full-precision tensors, tied head skipped
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.config import QuantConfig
@@ -132,10 +132,10 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, quant: QuantC
                           for i, (args, names) in enumerate(groups.items())},
         "ignore": [], "kv_cache_scheme": None, "global_compression_ratio": None}
     save_safetensors(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    atomic_write_json(out_dir / "config.json", config)
     if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out_dir)
+        save_pretrained(model.generation_config, out_dir)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+        save_pretrained(tokenizer, out_dir)
     return {"bytes": (out_dir / WEIGHTS_FILE).stat().st_size, "groups": len(groups), "layers": len(layers)}
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from qat_lora.data import models
-from qat_lora.runtime.options import MAX_LR, require_at_most, require_non_negative, require_positive
+from qat_lora.runtime.options import (MAX_LR, refuse_unused_flags, require_at_most, require_non_negative,
+                                      require_positive)
 from qat_lora.train.config import StudentSpec, check_adapter
 from qat_lora.quant.fake_quant import get_preset
 
@@ -26,6 +27,22 @@ def check_gguf_export(model: str) -> None:
         gguf_architecture(SimpleNamespace(**config))
 
 
+def check_gguf_grid(quant: str, requantize: bool) -> None:
+    """A preset llama.cpp has no type for is written re-quantised by value (writer._layer_blocks): refused unless
+    --gguf-requantize asks for it, naming the formats and presets that keep a trained grid."""
+    from qat_lora.export.compressed_tensors import unsupported_reason
+    from qat_lora.export.gguf.writer import BLOCK_BITS, EXACT_PRESETS, requantised_type
+
+    qtype = requantised_type(get_preset(quant))
+    if qtype is None or requantize:
+        return
+    keep = "packed or dense" if unsupported_reason(get_preset(quant)) else "packed, dense or compressed-tensors"
+    raise ValueError(f"--format gguf --quant {quant}: llama.cpp has no type for this grid, so the file would be "
+                     f"re-quantised to {qtype} ({BLOCK_BITS[qtype]} bits per weight, the trained grid lost); keep "
+                     f"the grid with --format {keep}, or train a preset llama.cpp stores exactly "
+                     f"({', '.join(EXACT_PRESETS)}), or pass --gguf-requantize to write the lossy file")
+
+
 @dataclass
 class ExportConfig(StudentSpec):
     quant: str = field(default="", metadata={"help": "quantisation preset (default: the one the run of --adapter / "
@@ -36,8 +53,13 @@ class ExportConfig(StudentSpec):
                                                                   "merged-fp/, export.json)"})
     format: str = field(default="both", metadata={"help": "packed, dense, both, gguf (gguf/model.gguf for llama.cpp; "
                                                           "q8_0 / q4_0 / q4_1 / q2_k / q3_k / q4_k / q6_k presets bit-exact, "
-                                                          "others re-quantised) or "
+                                                          "w4g32 as Q4_1 from its codes, others only with "
+                                                          "--gguf-requantize) or "
                                                           "compressed-tensors (vLLM, transformers; int 2/4/8-bit)"})
+    gguf_requantize: bool = field(default=False, metadata={"help": "--format gguf of a preset llama.cpp has no type "
+                                                                   "for (w2g64, w3g32, lut3g64, ...): write it "
+                                                                   "re-quantised to Q8_0 (8.5 bits per weight, lossy) "
+                                                                   "instead of refusing"})
     merge_adapter: bool = field(default=False, metadata={"help": "merge --adapter into the weights and re-quantise "
                                                                  "onto the grid (reports how much recovery it kept)"})
     merge_fp: bool = field(default=False, metadata={"help": "also write merged-fp/: base + adapter merged in full "
@@ -73,6 +95,7 @@ class ExportConfig(StudentSpec):
         if not self.quant:
             raise ValueError("--quant is required for export: the preset the student was trained with (read from "
                              "the run when --adapter or --quantizer comes from one)")
+        refuse_unused_flags(self)
         super().__post_init__()
         self._check_format()
         if self.cache:
@@ -88,3 +111,13 @@ class ExportConfig(StudentSpec):
             check_supported(get_preset(self.quant), self.quant)
         if self.format == "gguf":
             check_gguf_export(self.model)
+            check_gguf_grid(self.quant, self.gguf_requantize)
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        unused = {} if self.resnap_steps else dict.fromkeys(("resnap_preset", "resnap_lr"), "--resnap-steps > 0")
+        if not self.cache:
+            unused["batch_size"] = "--cache (the held-out report and the re-snap run in batches)"
+        if self.format != "gguf":
+            unused["gguf_requantize"] = f"--format gguf (not {self.format})"
+        return unused

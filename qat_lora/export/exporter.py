@@ -32,9 +32,9 @@ from qat_lora.export.config import ExportConfig
 from qat_lora.export.merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
                            student_and_base_metrics)
 from qat_lora.export.compressed_tensors import CT_DIR, save_compressed_tensors
-from qat_lora.runtime.files import (OWNER_KEY, FolderLock, apply_umask, atomic_write_json, check_out_apart_from_inputs, owned_by,
-                    owner_stamp, require_folder, save_safetensors)
-from qat_lora.export.gguf.writer import GGUF_DIR, save_gguf
+from qat_lora.runtime.files import (OWNER_KEY, FolderLock, atomic_write_json, check_out_apart_from_inputs, first_line,
+                    owned_by, owner_stamp, require_folder, save_pretrained, save_safetensors)
+from qat_lora.export.gguf.writer import GGUF_DIR, save_gguf, warn_if_lossy
 from qat_lora.export.gguf.lora import save_gguf_lora
 from qat_lora.export.tensors import full_precision_tensors
 from qat_lora.train.student import build_student, load_student, save_adapter
@@ -122,7 +122,7 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
         "model_type": PACKED_MODEL_TYPE, "load_with": "qat_lora.export.exporter.load_packed (transformers: the dense/ folder)",
         "base_config": model.config.to_dict()})
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+        save_pretrained(tokenizer, out_dir)
     header["bytes"] = (out_dir / WEIGHTS_FILE).stat().st_size
     return header
 
@@ -131,15 +131,18 @@ def read_packed_header(path: str | Path) -> dict:
     """The JSON header of a packed artefact folder.
 
     Raises:
-        ValueError: not a qat-lora packed folder, or a newer format version.
+        ValueError: not a qat-lora packed folder, a damaged one, or a newer format version.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     file = Path(path) / WEIGHTS_FILE
-    if not file.exists():
-        raise ValueError(f"{path}: no {WEIGHTS_FILE}; pass the packed/ folder written by `qat-lora export`")
-    with safe_open(str(file), "pt") as f:
-        metadata = f.metadata() or {}
+    if not file.is_file():
+        raise ValueError(f"{path}: no {WEIGHTS_FILE} file; pass the packed/ folder written by `qat-lora export`")
+    try:
+        with safe_open(str(file), "pt") as f:
+            metadata = f.metadata() or {}
+    except SafetensorError as e:  # cut short by a full disk or an interrupted copy: its message names no file
+        raise ValueError(f"{file}: damaged or truncated ({first_line(e)}); export it again") from None
     if HEADER_KEY not in metadata:
         raise ValueError(f"{file}: no qat-lora header; it is not a packed export (load it with transformers)")
     header = json.loads(metadata[HEADER_KEY])
@@ -199,10 +202,9 @@ def dequantize_(model: nn.Module) -> nn.Module:
 def save_dense(model: nn.Module, out_dir: str | Path, tokenizer=None) -> None:
     """Dequantise `model` in place and `save_pretrained` it: loadable by plain transformers."""
     out_dir = Path(out_dir)
-    dequantize_(model).save_pretrained(out_dir)
+    save_pretrained(dequantize_(model), out_dir)  # with the umask's modes (safetensors' temp files are 0600)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    apply_umask(out_dir)  # transformers saves weights through safetensors' 0600 temp files
+        save_pretrained(tokenizer, out_dir)
 
 
 EXPORT_KIND, EXPORT_LEGACY_KEYS = "export", ("config", "quant_config")  # export.json, the ownership record
@@ -267,9 +269,8 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
         info["heldout"] = measured
     if cfg.merge_fp:
         full = merge_full_(copy.deepcopy(peft_model))
-        full.save_pretrained(out / MERGED_FP_DIR)
-        tokenizer.save_pretrained(out / MERGED_FP_DIR)
-        apply_umask(out / MERGED_FP_DIR)
+        save_pretrained(full, out / MERGED_FP_DIR)
+        save_pretrained(tokenizer, out / MERGED_FP_DIR)
         if measured:
             info["merge_fp"] = recovery_verdict(measured, heldout_metrics(full, cfg.cache, cfg.batch_size),
                                                 "--merge-fp")
@@ -306,8 +307,8 @@ def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Cal
         linear.weight.data = layer.weight.detach().clone()
         parent, _, child = name.rpartition(".")
         setattr(plain.get_submodule(parent) if parent else plain, child, linear)
-    plain.save_pretrained(work / "model")
-    tokenizer.save_pretrained(work / "model")
+    save_pretrained(plain, work / "model")
+    save_pretrained(tokenizer, work / "model")
     save_quantizer_state(merged, work / "start-quantizer.safetensors",  # the base's scales and zeros
                          model_signature=models.weights_signature(work / "model"))
     spec = StudentSpec(str(work / "model"), cfg.quant, str(work / "start-quantizer.safetensors"))
@@ -347,6 +348,7 @@ def _export(cfg: ExportConfig, log: Callable[[str], None]) -> dict:
     if cfg.format == "gguf":
         teacher_gguf = cfg.model if Path(cfg.model).suffix == ".gguf" else None  # its metadata carry over
         report["gguf"] = save_gguf(student, out / GGUF_DIR, tokenizer, Path(cfg.model).name or "student", teacher_gguf)
+        warn_if_lossy(report["gguf"])  # --gguf-requantize asked for it, or w4g32's Q4_1 rounded its offsets
     if cfg.format == "compressed-tensors":
         report["compressed_tensors"] = save_compressed_tensors(student, out / CT_DIR, get_preset(cfg.quant), cfg.quant,
                                                                tokenizer)

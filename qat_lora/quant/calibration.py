@@ -13,17 +13,23 @@ import torch
 from torch import nn
 
 from qat_lora.cache.reader import KDCache
+from qat_lora.quant import blocks
 from qat_lora.quant.fake_quant import QuantConfig, get_preset
 
 
 @torch.no_grad()
-def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantConfig | str) -> dict[str, torch.Tensor]:
+def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantConfig | str,
+                          device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Mean squared input activation per column of every Linear `config` would quantise (data-aware init).
+
+    The model runs one decoder layer at a time (quant/blocks.py), each on `device` (None: where it is) and back
+    where it was: only that layer and one batch of its activations are ever on the device. Linears outside the
+    decoder layers (the lm_head, which presets leave in full precision) get no statistics.
 
     Args:
         batches: input_ids tensors [B, L] run through the full-precision model.
     Returns:
-        {module name: [in] float32} to pass to `quantize_(..., importance=...)`.
+        {module name: [in] float32 CPU} to pass to `quantize_(..., importance=...)`.
     """
     cfg = get_preset(config) if isinstance(config, str) else config
     sums: dict[str, torch.Tensor] = {}
@@ -39,8 +45,12 @@ def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor], con
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
                if type(m) is nn.Linear and cfg.for_module(n) is not None]
     try:
-        for input_ids in batches:
-            model(input_ids=input_ids)
+        inputs = blocks.capture_block_inputs(model, list(batches))
+        for layer in blocks.decoder_layers(model):
+            home = next(layer.parameters()).device
+            layer.to(device if device is not None else home)
+            inputs = inputs.with_hidden(blocks.run_block(layer, inputs))
+            layer.to(home)
     finally:
         for h in handles:
             h.remove()

@@ -1,6 +1,7 @@
 """What every command's config shares: the generic checks its `__post_init__` runs (value ranges, seeds, device
 and precision names, a results file), the --device / --precision flags that several configs declare
-(`DeviceInput`, `PrecisionInput`), and a config's defaults and command line (`field_defaults`, `to_argv`).
+(`DeviceInput`, `PrecisionInput`), the refusal of typed flags that do nothing under the chosen options
+(`flags_given`, `refuse_unused_flags`), and a config's defaults and command line (`field_defaults`, `to_argv`).
 
 A mistake is one line in milliseconds, before any model loads, instead of a traceback or an error after minutes.
 The checks that read a stage's own files live beside that stage's config (data/config.py, cache/config.py,
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from qat_lora.runtime.device import DEVICE_CHOICES
@@ -131,6 +135,44 @@ class PrecisionInput:
             require_precision(self.precision)
 
 
+# Typed flags. A flag left at its default and one typed with the default's value look the same in a config, yet
+# the second, under options where it does nothing (`--lora-r 16 --preset qat`), is a mistake the user should hear
+# about. The CLI names the fields whose flags were typed while it builds a config (`flags_given`); a config built
+# in Python has no typed flags: its caller sets what it means (recover and export build stage configs whose
+# options ignore some of the values they pass), so nothing is refused there.
+_GIVEN: ContextVar[tuple[type, frozenset[str]] | None] = ContextVar("qat_lora_given_flags", default=None)
+
+
+@contextmanager
+def flags_given(cls: type, names: Iterable[str]) -> Iterator[None]:
+    """While a `cls` config is built from a command line: `names` are the fields whose flags were typed."""
+    token = _GIVEN.set((cls, frozenset(names)))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
+
+
+def given_flags(cfg) -> frozenset[str]:
+    """The fields of `cfg` whose flags the user typed (empty for a config built in Python)."""
+    current = _GIVEN.get()
+    return current[1] if current is not None and type(cfg) is current[0] else frozenset()
+
+
+def refuse_unused_flags(cfg) -> None:
+    """The typed flags that do nothing under the chosen options are refused: `cfg.unused_flags()` maps each field
+    that does nothing now to what it needs.
+
+    Raises:
+        ValueError: one line naming the first such flag and what it needs.
+    """
+    given = given_flags(cfg)
+    for name, needs in cfg.unused_flags().items():
+        if name in given:
+            raise ValueError(f"--{name.replace('_', '-')}: needs {needs}; with these options it does nothing, so "
+                             "drop it")
+
+
 def field_defaults(cls) -> dict:
     """{field name: default} of a config dataclass: what a config saved before a field existed meant by it."""
     return {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -138,11 +180,13 @@ def field_defaults(cls) -> dict:
 
 
 def to_argv(cfg) -> list[str]:
-    """The command-line flags that rebuild `cfg` (the inverse of the CLI's parsing; defaults left out)."""
+    """The command-line flags that rebuild `cfg` (the inverse of the CLI's parsing; defaults left out, and so are
+    the fields that do nothing under its options, which the rebuilt command would refuse as typed flags)."""
     argv: list[str] = []
+    unused = cfg.unused_flags() if hasattr(cfg, "unused_flags") else {}
     for name, default in field_defaults(type(cfg)).items():
         value = getattr(cfg, name)
-        if value == default:
+        if value == default or name in unused:
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

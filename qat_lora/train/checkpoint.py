@@ -14,6 +14,7 @@ named tensors and its non-tensor parts go to JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 from qat_lora.runtime import device as dev
 from qat_lora.runtime.files import apply_umask, save_safetensors, sha256_file
 from qat_lora.runtime.runs import CHECKPOINT_PREFIX as PREFIX
+from qat_lora.runtime.writes import writing
 
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -110,17 +112,18 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torch
     tmp = run_dir / f".{PREFIX}{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name, group in _to_host(tensors).items():
-        save_safetensors(group, tmp / name)
-    if write_extra is not None:
-        write_extra(tmp)
-        apply_umask(tmp)
-    # Checksums of everything above, in the state written last: a flipped byte is found, not resumed.
-    files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-    (tmp / STATE_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **state, "files": files},
-                                             indent=2) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with writing(final, tmp):  # a full disk leaves no .checkpoint-N.tmp behind, and one line naming the folder
+        for name, group in _to_host(tensors).items():
+            save_safetensors(group, tmp / name)
+        if write_extra is not None:
+            write_extra(tmp)
+            apply_umask(tmp)
+        # Checksums of everything above, in the state written last: a flipped byte is found, not resumed.
+        files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / STATE_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, **state, "files": files},
+                                                 indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -228,7 +231,9 @@ def check_resumable(saved: dict, current: dict, path: Path) -> None:
         ValueError: one line naming the flag, the checkpoint's value and the current one.
     """
     for key in sorted(set(saved) | set(current)):
-        if key in RESUME_FREE_FIELDS or saved.get(key) == current.get(key):
+        # A config.json holds null for a non-finite float (files.atomic_write_json): --max-grad-norm inf.
+        if key in RESUME_FREE_FIELDS or saved.get(key) == current.get(key) or (
+                saved.get(key) is None and isinstance(current.get(key), float) and not math.isfinite(current[key])):
             continue
         flag = "--" + key.replace("_", "-")
         raise ValueError(f"--resume: {path.name} was written with {flag} {saved.get(key)!r}, this run has "

@@ -8,20 +8,20 @@ data/config.py, cache/config.py, export/config.py, commands/config.py.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
-
 from qat_lora.data import models
 from qat_lora.runtime.options import (MAX_LR, MAX_LR_RATIO, MAX_TEMPERATURE, DeviceInput, PrecisionInput,
-                                      require_at_most, require_non_negative, require_positive, require_seed)
+                                      refuse_unused_flags, require_at_most, require_non_negative, require_positive,
+                                      require_seed)
 from qat_lora.runtime.files import read_record
 from qat_lora.train.loss import KDLossConfig
 from qat_lora.quant.config import check_quantizer_file
 from qat_lora.quant.fake_quant import get_preset
 from qat_lora.runtime.runs import recorded_quant
+from qat_lora.train.adapter import (ADAPTER_WEIGHTS, check_adapter,  # noqa: F401 (imported by the other configs)
+                                    resolve_adapter_base)
 
 # What each training preset trains: LoRA adapters over the frozen quantised base, the quantiser's own
 # parameters (scales, zeros, codebooks, low-rank scale factors; LSQ-style), the latent weights themselves
@@ -47,35 +47,6 @@ def check_lora_init(value: str, folder_allowed: bool) -> None:
     raise ValueError(f"--lora-init {value!r}: choose {choices}")
 
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's file name
-
-
-def check_adapter(adapter: str) -> None:
-    """--adapter is a PEFT folder with intact files: checked now, not once the model has loaded."""
-    if not adapter:
-        return
-    config = Path(adapter) / "adapter_config.json"
-    if not config.is_file():
-        raise ValueError(f"--adapter {adapter}: no adapter_config.json; pass a run's adapter/ folder")
-    try:
-        record = json.loads(config.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"--adapter {adapter}: {config} is not valid JSON (truncated?); use the run's intact "
-                         "adapter/ or a checkpoint's") from None
-    if not isinstance(record, dict) or record.get("peft_type") != "LORA" or not isinstance(record.get("r"), int):
-        raise ValueError(f"--adapter {adapter}: {config} is not a PEFT LoRA config (peft_type LORA, an integer r); "
-                         "use the run's intact adapter/ or a checkpoint's")
-    weights = Path(adapter) / ADAPTER_WEIGHTS
-    if not weights.is_file():  # PEFT would look for it on the hub instead: a download, never what was meant
-        raise ValueError(f"--adapter {adapter}: no {ADAPTER_WEIGHTS}; pass a run's adapter/ folder (qat-lora never "
-                         "loads pickled adapter_model.bin)")
-    try:
-        safe_open(str(weights), "pt").keys()  # the header only: a cut-short file fails here
-    except SafetensorError as e:  # the message lora.load_recovery_lora gives once the model has loaded
-        raise ValueError(f"--adapter {adapter}: its weights are damaged or truncated ({e}); use the run's intact "
-                         "adapter/ or a checkpoint's") from None
-
-
 @dataclass
 class StudentSpec:
     """The quantised student: a full-precision model, a quantisation preset, and optionally a qat run's
@@ -86,7 +57,8 @@ class StudentSpec:
                                              "required": True})
     quant: str = field(default="w3g64", metadata={"help": "quantisation preset (see `qat-lora presets`)"})
     quantizer: str = field(default="", metadata={"help": "a qat run's quantizer.safetensors (its trained scales, "
-                                                          "zeros, codebooks); the student must use the same --quant"})
+                                                          "zeros, codebooks); the student must use the same --quant "
+                                                          "(default with an adapter: the one it was trained over)"})
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -102,19 +74,26 @@ class StudentSpec:
         check_quantizer_file(self.quantizer)
 
     def quant_from_run(self) -> None:
-        """Eval and export read --quant from the run that wrote --adapter / --quantizer (not re-typed): an empty
-        --quant becomes the run's; a different one is refused (the student would silently be another)."""
+        """The student's base from the runs that wrote its adapter and --quantizer (not re-typed): an empty --quant
+        or --quantizer becomes the adapter's base (resolve_adapter_base), a different one is refused (the student
+        would silently be another)."""
         self._check_quantizer_file()  # a typo in the path is the error to report, not the --quant it would give
-        for flag, path in (("--adapter", getattr(self, "adapter", "")), ("--quantizer", self.quantizer)):
-            found = recorded_quant(path) if path else None
-            if found is None:
-                continue
-            quant, record = found
-            if not self.quant:
-                self.quant = quant
-            elif self.quant != quant:
-                raise ValueError(f"--quant {self.quant}: {flag} {path} was trained with --quant {quant} ({record}); "
-                                 f"drop --quant or pass --quant {quant}")
+        for flag, adapter in self.adapter_flags() if self.model else ():  # no --model: __post_init__ says so
+            self.quant, self.quantizer = resolve_adapter_base(flag, adapter, self.model, self.quant, self.quantizer)
+        found = recorded_quant(self.quantizer) if self.quantizer else None
+        if found is None:
+            return
+        quant, record = found
+        if not self.quant:
+            self.quant = quant
+        elif self.quant != quant:
+            raise ValueError(f"--quant {self.quant}: --quantizer {self.quantizer} was trained with --quant {quant} "
+                             f"({record}); drop --quant or pass --quant {quant}")
+
+    def adapter_flags(self) -> list[tuple[str, str]]:
+        """(flag, folder) of the adapters the student is built with: its base is theirs."""
+        adapter = getattr(self, "adapter", "")
+        return [("--adapter", adapter)] if adapter else []
 
     def student_spec(self) -> "StudentSpec":
         """Just the student part of a command's config."""
@@ -240,7 +219,7 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
                                  f"{self.lora_alpha}; pass the same, or another --lora-init")
         if self.lora_init != "zero" and "lora" not in TRAIN_PRESETS.get(self.preset, ()):
             raise ValueError(f"--lora-init {self.lora_init} --preset {self.preset}: that preset trains no LoRA; "
-                             "use --lora-init zero or a LoRA preset")
+                             "drop --lora-init or use a LoRA preset")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         if not self.quant:
@@ -258,7 +237,34 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
             if importlib.util.find_spec(self.report_to) is None:
                 raise ValueError(f"--report-to {self.report_to}: the {self.report_to} package is not installed; pip "
                                  f"install {self.report_to} (or 'qat-lora[{self.report_to}]')")
+        refuse_unused_flags(self)
         super().__post_init__()
+
+    def unused_flags(self) -> dict[str, str]:
+        """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        trains, unused = TRAIN_PRESETS[self.preset], {}
+        if "lora" not in trains:
+            unused.update(dict.fromkeys(("lora_r", "lora_alpha", "lora_init", "lora_init_sequences"),
+                                        f"a preset that trains LoRA (--preset recovery-lora or qat+lora, not "
+                                        f"{self.preset})"))
+        elif self.lora_init != "calibrated":
+            unused["lora_init_sequences"] = "--lora-init calibrated (they calibrate its start)"
+        if "weights" not in trains:
+            unused["weight_lr_ratio"] = f"--preset weight-qat (--preset {self.preset} trains no latent weights)"
+        if "quantizer" not in trains:
+            unused["quantizer_lr_ratio"] = (f"a preset that trains the quantiser (--preset qat, qat+lora or "
+                                            f"weight-qat, not {self.preset})")
+        if not self.online_teacher:
+            unused["online_teacher_dtype"] = "--online-teacher (the cache's targets have no dtype to choose)"
+        if self.alpha == 0:
+            unused["temperature"] = "--alpha > 0 (with --alpha 0 only the hard-label CE trains)"
+        if self.device in ("cpu", "cuda"):
+            unused["xla_cache_dir"] = f"an XLA device (--device xla, tpu or auto; not {self.device})"
+        return unused
+
+    def adapter_flags(self) -> list[tuple[str, str]]:
+        """--lora-init's adapter folder: the run starts from it, so over the base it was trained over."""
+        return [] if self.lora_init in LORA_INITS else [("--lora-init", self.lora_init)]
 
     def _check_online_teacher(self) -> None:
         if self.online_teacher_dtype not in STORAGE_DTYPES:

@@ -17,57 +17,23 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
 from qat_lora.runtime import device as dev
 
 from qat_lora.data import models
+from qat_lora.train.adapter import ADAPTER_RECORD, BASE_KEY, base_record, check_made_from, resolve_adapter_base
 from qat_lora.train.config import TRAIN_PRESETS, StudentSpec
-from qat_lora.runtime.files import apply_umask, atomic_write_json, first_line, owner_stamp, read_record
+from qat_lora.runtime.files import apply_umask, atomic_write_json, owner_stamp
 from qat_lora.train.lora import add_recovery_lora_, load_recovery_lora
 from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset, latent_weights, quantize_, quantizer_parameters
 from qat_lora.quant.state import (MODEL_SIGNATURE_KEY, load_quantizer_state_, quantised_weight_count,
                                   save_quantizer_state)
 from qat_lora.runtime.runs import ADAPTER_DIR, QUANTIZER_FILE
+from qat_lora.runtime.writes import writing
 
-ADAPTER_RECORD = "qat_lora.json"  # beside the adapter's PEFT files: the base model's signature (quant.state)
-
-
-def _recorded_signature(flag: str, path: str | Path) -> str | None:
-    """The model signature a --quantizer file or an --adapter folder recorded, if any."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if path.is_dir():
-        recorded = (read_record(path / ADAPTER_RECORD) or {}).get(MODEL_SIGNATURE_KEY)
-        return recorded if isinstance(recorded, str) else None  # a damaged record checks nothing
-    if not path.is_file():
-        return None  # missing: the loader that reads it names it
-    try:
-        with safe_open(str(path), "pt") as f:
-            return (f.metadata() or {}).get(MODEL_SIGNATURE_KEY)
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{flag} {path}: damaged or truncated ({first_line(e)})") from None
-
-
-def check_made_from(model: str, **artefacts: str) -> None:
-    """Refuse a quantiser or adapter made from other weights than --model's (same shapes, another model, or the
-    same model changed): it would load without an error and give a wrong student.
-
-    Args:
-        artefacts: {"quantizer": path, "adapter": path}; empty paths are skipped.
-    Raises:
-        ValueError: naming the flag, the file and the fix.
-    """
-    current = None
-    for name, path in artefacts.items():
-        recorded = _recorded_signature(f"--{name}", path) if path else None
-        if recorded is None:
-            continue
-        current = current or models.weights_signature(model)
-        if current is not None and current != recorded:
-            raise ValueError(f"--{name} {path}: made from other weights than --model {model} (its model signature "
-                             f"{recorded[:12]} differs from {current[:12]}); pass the --model it was made from")
+# Set on every student build_student makes: (--quant, the --quantizer file's absolute path or ""), the base its
+# adapters record (adapter.base_record) when they are saved.
+BASE_ATTR = "qat_lora_base"
 
 
 def resolve_attn(attn_implementation: str, device: torch.device) -> str:
@@ -82,7 +48,7 @@ def build_student(spec: StudentSpec, attn_implementation: str = "sdpa") -> torch
     """Load the full-precision model and fake-quantise it with the spec's preset (initialised as the preset
     says), then load the spec's trained quantiser, if any. An empty `spec.quant` gives the model unquantised."""
     if spec.quant:
-        check_made_from(spec.model, quantizer=spec.quantizer)
+        check_made_from(spec.model, {"--quantizer": spec.quantizer})
     model = models.load_causal_lm(spec.model, attn_implementation=attn_implementation)
     if not spec.quant:
         return model
@@ -92,14 +58,17 @@ def build_student(spec: StudentSpec, attn_implementation: str = "sdpa") -> torch
     student = quantize_(model, config)
     if spec.quantizer:
         load_quantizer_state_(student, spec.quantizer)
+    setattr(student, BASE_ATTR, (spec.quant, str(Path(spec.quantizer).resolve()) if spec.quantizer else ""))
     return student
 
 
 def load_student(spec: StudentSpec, adapter: str = "", attn_implementation: str = "sdpa") -> torch.nn.Module:
     """Teacher (no quant), PTQ student (quant), or trained student (quant + a qat run's quantizer and/or a
-    recovery adapter), in eval mode: what eval, export and the benchmarks evaluate."""
-    if spec.quant:  # an adapter over an export (--model packed/ or dense/, no --quant) is not a student's
-        check_made_from(spec.model, adapter=adapter)
+    recovery adapter), in eval mode: what eval, export and the benchmarks evaluate. The adapter brings the base it
+    was trained over: a --quantizer left out is its base's, another one is refused (adapter.resolve_adapter_base)."""
+    if spec.quant and adapter:  # an adapter over an export (--model packed/ or dense/, no --quant) is not a student's
+        quantizer = resolve_adapter_base("--adapter", adapter, spec.model, spec.quant, spec.quantizer)[1]
+        spec = spec if quantizer == spec.quantizer else replace(spec, quantizer=quantizer)
     student = build_student(spec, attn_implementation)
     if adapter:
         student = load_recovery_lora(student, adapter)
@@ -166,36 +135,53 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_adapter(model, path: Path, model_signature: str | None = None) -> None:
-    """Write the LoRA adapters as standard PEFT files, atomically (temp folder, then rename), with the signature
-    of the base model they were trained over."""
+def student_base(model, adapter_dir: Path, quantizer: str | None = None) -> dict | None:
+    """The base an adapter of `model` saved in `adapter_dir` was trained over (adapter.base_record), from the
+    student's BASE_ATTR: over `quantizer` instead when the run trained its own; None for a model that
+    build_student did not make (nothing to record)."""
+    built = getattr(model, BASE_ATTR, None)
+    if built is None:
+        return None
+    quant, start = built
+    return base_record(quant, start if quantizer is None else quantizer, adapter_dir)
+
+
+def save_adapter(model, path: Path, model_signature: str | None = None, base: dict | None = None) -> None:
+    """Write the LoRA adapters as standard PEFT files, atomically (temp folder, then rename), with their record:
+    the signature of the model their base was made from and that base (`base`: student_base), so that whatever
+    loads them loads it. Every file gets the umask's mode."""
     from peft import get_peft_model_state_dict
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     state = dev.state_dict_to_cpu(get_peft_model_state_dict(model))
-    model.save_pretrained(str(tmp), state_dict=state)
-    if model_signature:
-        atomic_write_json(tmp / ADAPTER_RECORD, {**owner_stamp("adapter"), MODEL_SIGNATURE_KEY: model_signature})
-    apply_umask(tmp)  # PEFT saves through safetensors, whose files are 0600 whatever the umask
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    record = {**({MODEL_SIGNATURE_KEY: model_signature} if model_signature else {}),
+              **({BASE_KEY: base} if base else {})}
+    with writing(path, tmp):  # a full disk: no adapter.tmp left, one line naming the folder
+        model.save_pretrained(str(tmp), state_dict=state)
+        if record:
+            atomic_write_json(tmp / ADAPTER_RECORD, {**owner_stamp("adapter"), **record})
+        apply_umask(tmp)  # PEFT saves through safetensors, whose files are 0600 whatever the umask
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
 
 
 def save_artifacts(model, preset: str, folder: Path, codes: bool = False,
                    model_signature: str | None = None) -> dict[str, str | None]:
     """What the preset trained, in standard files: `adapter/` (PEFT) and/or `quantizer.safetensors`, whose codes
     are written when the weights trained or (`codes`) had moved before training (a GPTQ or weight-qat start);
-    both record `model_signature`, the base model's."""
+    both record `model_signature`, the base model's, and the adapter its base: the quantiser the run started
+    from, or the one written beside it when the preset trained it (written first, for its checksum)."""
     folder.mkdir(parents=True, exist_ok=True)
     paths: dict[str, str | None] = {"adapter": None, "quantizer": None}
-    if "lora" in TRAIN_PRESETS[preset]:
-        save_adapter(model, folder / ADAPTER_DIR, model_signature)
-        paths["adapter"] = str(folder / ADAPTER_DIR)
     if "quantizer" in TRAIN_PRESETS[preset] or "weights" in TRAIN_PRESETS[preset]:
         save_quantizer_state(model, folder / QUANTIZER_FILE, codes=codes or "weights" in TRAIN_PRESETS[preset],
                              model_signature=model_signature)
         paths["quantizer"] = str(folder / QUANTIZER_FILE)
+    if "lora" in TRAIN_PRESETS[preset]:
+        save_adapter(model, folder / ADAPTER_DIR, model_signature,
+                     student_base(model, folder / ADAPTER_DIR, paths["quantizer"]))
+        paths["adapter"] = str(folder / ADAPTER_DIR)
     return paths
 
 

@@ -145,7 +145,8 @@ def test_overwrite_keeps_lookalikes_and_never_follows_links(finished, teacher_di
 
 def test_train_refuses_a_quantizer_of_another_preset(finished, teacher_dir, cache_dir, tmp_path, capsys):
     out = tmp_path / "qat"
-    assert main(["train", "--model", str(teacher_dir), "--cache", str(cache_dir), "--out", str(out), *TRAIN,
+    qat = TRAIN[:TRAIN.index("--lora-r")] + TRAIN[TRAIN.index("--lora-r") + 2:]  # qat trains no LoRA: no --lora-r
+    assert main(["train", "--model", str(teacher_dir), "--cache", str(cache_dir), "--out", str(out), *qat,
                  "--preset", "qat"]) == 0
     argv = ["train", "--model", str(teacher_dir), "--cache", str(cache_dir), "--out", str(tmp_path / "next"),
             *TRAIN, "--quantizer", str(out / "quantizer.safetensors")]

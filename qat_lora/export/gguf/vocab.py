@@ -21,6 +21,7 @@ import re
 import tempfile
 
 from qat_lora.export.gguf.arch import _gguf
+from qat_lora.runtime.writes import writing
 
 UNUSED_SCORE, ADDED_SCORE = -10000.0, -1000.0  # the converter's scores for padding and added tokens
 _BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -171,7 +172,8 @@ def add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
         raise ValueError(f"--format gguf: a {(spec.get('model') or {}).get('type')} tokenizer is not written yet "
                          "(byte-level BPE or SentencePiece only); use --format packed or dense")
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
+        with writing(tmp):  # a full temp folder: one line naming it (tokenizers raise a bare Exception)
+            tokenizer.save_pretrained(tmp)
         special = gguf.SpecialVocab(tmp, load_merges=merges, n_vocab=vocab_size)
     ids = tokenizer("a")["input_ids"]  # say what the HF tokenizer does, not llama.cpp's per-vocabulary default
     for kind, token, where in (("bos", tokenizer.bos_token_id, ids[:1]), ("eos", tokenizer.eos_token_id, ids[-1:])):

@@ -19,6 +19,7 @@ transforms in arch.py) with the tokenizer as it writes it (byte-level BPE or Sen
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,11 +36,48 @@ from qat_lora.export.gguf.arch import (  # noqa: F401
 from qat_lora.export.gguf.kquant import kquant_blocks
 from qat_lora.export.gguf.vocab import add_tokenizer, pre_tokenizer_name  # noqa: F401
 from qat_lora.export.tensors import full_precision_tensors
+from qat_lora.quant.config import PRESETS, QuantConfig
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.inits import snap_fp16
+from qat_lora.runtime.writes import writing
 
 GGUF_DIR, GGUF_FILE = "gguf", "model.gguf"
 BLOCK = 32  # weights per block of Q8_0 / Q4_0 / Q4_1
+BLOCK_BITS = {"Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0}  # bits per weight as stored: fp16 d (+ fp16 m) + 32 codes
+
+
+def _exact_grid(cfg: QuantConfig) -> bool:
+    """Whether llama.cpp stores this grid bit for bit (the rule of exact_type and _layer_blocks, per preset)."""
+    if cfg.scheme == "kquant":  # rows not a multiple of 256 take a 32-block fallback, itself exact
+        return True
+    if cfg.scheme != "int" or cfg.scale_rank or cfg.group_size != BLOCK or cfg.bits not in (4, 8):
+        return False
+    return (cfg.zero_domain == "float" and cfg.bits == 4) or (cfg.symmetric and cfg.zero_domain == "none")
+
+
+def requantised_type(cfg: QuantConfig) -> str | None:
+    """The llama.cpp type the layers of preset `cfg` (or of one of its overrides) are re-quantised to by value,
+    losing the trained grid, or None when the file keeps every grid: the exact presets (EXACT_PRESETS) and 4-bit
+    int groups of 32, written as Q4_1 from their own codes (only the offset d * (z - qmin) is rounded to fp16)."""
+    for c in (cfg, *(o for _, o in cfg.overrides)):
+        keeps_codes = c.scheme == "int" and not c.scale_rank and c.group_size == BLOCK and c.bits == 4
+        if not (_exact_grid(c) or keeps_codes):
+            return "Q8_0"
+    return None
+
+
+EXACT_PRESETS = tuple(name for name, cfg in PRESETS.items() if _exact_grid(cfg))  # q8_0, q4_0, q4_1, q2_k, ...
+
+
+def warn_if_lossy(report: dict) -> None:
+    """One line on stderr when save_gguf's file is not the student bit for bit: its types, bits per weight and
+    largest relative error (the export went ahead because --gguf-requantize asked for it, or kept the codes)."""
+    lossy = {name: v for name, v in report["layers"].items() if not v["exact"]}
+    if lossy:
+        types = ", ".join(sorted({v["type"] for v in lossy.values()}))
+        print(f"qat-lora export: warning: {report['file']} is lossy: {len(lossy)} of {len(report['layers'])} "
+              f"quantised layers re-quantised to {types}, {report['bits_per_weight']:.2f} bits per weight, relative "
+              f"error up to {report['max_rel_error']:.2%}", file=sys.stderr)
 
 
 @contextmanager
@@ -49,13 +87,14 @@ def gguf_file(out_dir: str | Path, file_name: str, arch: str) -> Iterator[tuple[
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path, tmp = out_dir / file_name, out_dir / (file_name + ".tmp")
-    writer = _gguf().GGUFWriter(str(tmp), arch)
-    yield writer, path
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
+    with writing(path, tmp):  # a failure (a full disk: numpy's short write) leaves no .tmp; one line names the path
+        writer = _gguf().GGUFWriter(str(tmp), arch)
+        yield writer, path
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
 
 
 def exact_type(layer: FakeQuantLinear) -> str | None:
