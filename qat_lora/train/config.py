@@ -159,7 +159,7 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
     parallel: str = field(default="auto", metadata={"help": "with several chips: processes (one per chip), spmd (one "
                                                             "XLA process, batch sharded), fsdp (spmd with the "
                                                             "parameters sharded too: models larger than one chip) "
-                                                            "or auto"})
+                                                            "or auto (spmd on XLA, processes elsewhere)"})
     storage_dtype: str = field(default="fp32", metadata={"help": "frozen student weights: fp32, or bf16 (recovery-lora: "
                                                                  "Wq stored once in bf16, no fp32 latent weight; "
                                                                  "half the memory)"})

@@ -17,22 +17,15 @@ import pytest
 import safetensors.numpy
 from qat_lora.commands.cli import main
 
+from .conftest import TRAIN
+
 from .test_user_mistakes import run_cli
 
-TRAIN = ["--batch-size", "4", "--lora-r", "4", "--warmup-steps", "1", "--device", "cpu"]
 
 
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
-
-@pytest.fixture(scope="module")
-def run_w2(tmp_path_factory, teacher_dir, cache_dir) -> Path:
-    """A finished 2-step recovery-lora run at w2g32: adapter/, config.json (which records --quant)."""
-    out = tmp_path_factory.mktemp("runs") / "w2g32"
-    assert main(["train", "--model", str(teacher_dir), "--cache", str(cache_dir), "--out", str(out), "--quant",
-                 "w2g32", "--max-steps", "2", *TRAIN]) == 0
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -19,23 +19,16 @@ import pytest
 import torch
 
 from qat_lora.commands.cli import main
+
+from .conftest import TRAIN
 from qat_lora.runtime.files import SAFETENSORS_TEMP
 from qat_lora.runtime.writes import disk_error
 
 from .test_user_mistakes import run_cli
 
-TRAIN = ["--batch-size", "4", "--lora-r", "4", "--warmup-steps", "1", "--device", "cpu"]
 EVAL = ["--seq-len", "32", "--max-tokens", "100", "--device", "cpu"]
 DISK_FULL = "; the disk is full: free space or write elsewhere"  # cli._OS_FIXES[ENOSPC]
 
-
-@pytest.fixture(scope="module")
-def run_w2(tmp_path_factory, teacher_dir, cache_dir) -> Path:
-    """A finished 2-step recovery-lora run at w2g32: its adapter/ is what `export --adapter` carries."""
-    out = tmp_path_factory.mktemp("runs") / "w2g32"
-    assert main(["train", "--model", str(teacher_dir), "--cache", str(cache_dir), "--out", str(out), "--quant",
-                 "w2g32", "--max-steps", "2", *TRAIN]) == 0
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
