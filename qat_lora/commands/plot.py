@@ -27,6 +27,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("plot: needs matplotlib; pip install matplotlib") from None
+    if out and Path(out).is_dir():
+        raise ValueError(f"plot --out {out}: is a folder; pass a file name such as {Path(out) / PLOT_FILE}")
     train, evals = read_metrics(run_dir)
     if not train and not evals:
         raise ValueError(f"plot: {Path(run_dir) / METRICS_FILE} holds no records yet")

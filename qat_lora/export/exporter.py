@@ -33,7 +33,7 @@ from qat_lora.export.merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_,
                            student_and_base_metrics)
 from qat_lora.export.compressed_tensors import CT_DIR, save_compressed_tensors
 from qat_lora.runtime.files import (OWNER_KEY, FolderLock, atomic_write_json, check_out_apart_from_inputs, first_line,
-                    owned_by, owner_stamp, require_folder, save_pretrained, save_safetensors)
+                    owned_by, owner_stamp, read_record, require_folder, save_pretrained, save_safetensors)
 from qat_lora.export.gguf.writer import GGUF_DIR, save_gguf, warn_if_lossy
 from qat_lora.export.gguf.lora import save_gguf_lora
 from qat_lora.export.tensors import full_precision_tensors
@@ -228,6 +228,9 @@ def _existing_export(cfg: ExportConfig) -> list[str]:
         raise ValueError(f"--out {out}: holds files an export did not write ({', '.join(foreign[:3])}); pass an "
                          "empty or new folder")
     if entries and not owned_by(out / REPORT_FILE, EXPORT_KIND, EXPORT_LEGACY_KEYS):
+        if (out / REPORT_FILE).exists() and read_record(out / REPORT_FILE) is None:
+            raise ValueError(f"--out {out}: its {REPORT_FILE} is damaged (cut short?), so nothing proves the folder "
+                             "an export to replace; delete the folder yourself if it is one, or pass a new folder")
         raise ValueError(f"--out {out}: holds {', '.join(entries[:3])} but no export.json of a qat-lora export; "
                          "pass an empty or new folder")
     if entries and not cfg.overwrite:

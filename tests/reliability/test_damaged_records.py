@@ -182,3 +182,15 @@ def test_demo_never_writes_into_a_model_folder_or_over_a_users_demo_json(found, 
     assert code == 2 and len(err) == 1 and f"--work-dir {work}: holds a" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]  # nothing downloaded, nothing written
     assert (work / found).read_text() == '{"notes": "mine"}'
+
+
+def test_plot_out_naming_a_folder_is_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run, folder = tmp_path / "run", tmp_path / "figures"
+    run.mkdir()
+    folder.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "lr": 1e-3}) + "\n")
+    code, err = run_cli(["plot", str(run), "--out", str(folder)], capsys)
+    assert code == 2 and err == [f"qat-lora plot: error: plot --out {folder}: is a folder; pass a file name such as "
+                                 f"{folder / 'curves.png'}"], err
+    assert list(folder.iterdir()) == []  # no temp file left behind
