@@ -93,3 +93,35 @@ def test_gptq_on_an_xla_device_layer_by_layer_matches_the_cpu_with_bounded_graph
     # graphs, reused across layers; nothing per column (128 + 64 columns per module) or per module.
     assert report["graphs"] <= 12, report
     assert report["executions"] <= 40, report
+
+
+CALIBRATED = """
+import copy, json
+import torch, torch_xla
+from transformers import AutoModelForCausalLM, LlamaConfig
+from qat_lora.quant.fake_quant import QuantConfig, quantize_
+from qat_lora.train.lora import add_recovery_lora_, calibrated_lora_init_
+
+torch.manual_seed(0)
+teacher = AutoModelForCausalLM.from_config(LlamaConfig(
+    vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.08)).eval()
+student = add_recovery_lora_(quantize_(copy.deepcopy(teacher), QuantConfig(bits=3, group_size=32)), r=4, alpha=8.0)
+on_xla = copy.deepcopy(student)
+batches = [torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+cpu = calibrated_lora_init_(student, teacher, batches, log=lambda _: None)
+xla = calibrated_lora_init_(on_xla, teacher, batches, log=lambda _: None, device=torch_xla.device())
+pairs = [(p, dict(on_xla.named_parameters())[n]) for n, p in student.named_parameters() if "lora_" in n]
+print(json.dumps({"max_diff": max(float((a - b).abs().max()) for a, b in pairs),
+                  "removed": [cpu["removed"], xla["removed"]],
+                  "devices": sorted({str(p.device) for m in (on_xla, teacher) for p in m.parameters()})}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xla
+def test_the_calibrated_start_on_an_xla_device_matches_the_cpu_and_leaves_the_models_home():
+    require_torch_xla()
+    report = on_xla(CALIBRATED, timeout=400)
+    assert report["devices"] == ["cpu"], report
+    assert report["max_diff"] < 1e-3 and abs(report["removed"][0] - report["removed"][1]) < 1e-3, report

@@ -153,3 +153,25 @@ def test_calibrated_init_refuses_a_model_without_adapters_or_another_reference(t
     deeper.model.layers.append(copy.deepcopy(deeper.model.layers[0]))
     with pytest.raises(ValueError, match="the reference model has 3 decoder layers, the student 2"):
         calibrated_lora_init_(add_recovery_lora_(_student(teacher_dir), r=4), deeper, ids)
+
+
+def test_the_calibrated_start_of_a_multi_rank_run_is_the_masters_on_every_rank(teacher_dir, cache_dir, monkeypatch):
+    from qat_lora.train import run as run_module
+    from qat_lora.train.config import TrainConfig
+
+    computed = []
+    monkeypatch.setattr(run_module, "lora_start_", lambda *a, **k: computed.append(k.get("device")))
+
+    class Rank1:  # the second of two ranks: the master's tensor comes first in every gather
+        is_master, world_size = False, 2
+
+        @staticmethod
+        def all_gather(t):
+            return [torch.full_like(t, 0.5), t]
+
+    model = add_recovery_lora_(_student(teacher_dir), r=4, alpha=8.0)
+    cfg = TrainConfig(model=str(teacher_dir), cache=str(cache_dir), quant="w2g32", lora_init="calibrated",
+                      lora_r=4, lora_alpha=8.0)
+    run_module._lora_start_(cfg, model, torch.device("cpu"), Rank1(), lambda _: None)
+    assert computed == []  # rank 1 computes nothing: one SVD per layer in the whole run, not one per rank
+    assert all(torch.all(p == 0.5) for n, p in model.named_parameters() if "lora_" in n)

@@ -171,7 +171,8 @@ def _lora_start(cfg: RecoverConfig, quantizer: str, log: Callable[[str], None]) 
         return str(folder)
     model = make_trainable_(build_student(StudentSpec(cfg.model, cfg.quant, quantizer)), "recovery-lora", cfg.lora_r,
                             2.0 * cfg.lora_r)
-    lora_start_(model, "calibrated", cfg.model, cfg.cache, cfg.calib_sequences, cfg.batch_size, log)
+    lora_start_(model, "calibrated", cfg.model, cfg.cache, cfg.calib_sequences, cfg.batch_size, log,
+                device=dev.resolve_device(cfg.device))
     staging = folder.with_name(folder.name + ".partial")  # written aside, then renamed: never half a start
     shutil.rmtree(staging, ignore_errors=True)
     save_adapter(model, staging, settings["inputs"]["model"], student_base(model, folder))  # the umask's modes

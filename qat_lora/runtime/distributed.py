@@ -170,10 +170,13 @@ class XlaBackend(Backend):
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         import torch_xla
 
-        # int32 rows: narrow integer collectives are not lowered on every TPU generation.
-        row = tensor.reshape(1, -1).to(torch.int32).to(torch_xla.device())
-        gathered = self._xm.all_gather(row, dim=0).cpu()
-        return [r.to(tensor.dtype).reshape(tensor.shape) for r in gathered]
+        # int32 rows: narrow integer collectives are not lowered on every TPU generation; a float tensor travels
+        # as its float32 bits (exact), not as values rounded to integers.
+        floating = tensor.is_floating_point()
+        flat = tensor.reshape(1, -1)
+        row = flat.to(torch.float32).view(torch.int32) if floating else flat.to(torch.int32)
+        gathered = self._xm.all_gather(row.to(torch_xla.device()), dim=0).cpu()
+        return [(r.view(torch.float32) if floating else r).to(tensor.dtype).reshape(tensor.shape) for r in gathered]
 
     def agree(self, stop: bool, stats: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
         # A preemption signals the hosts at different moments: a rank deciding alone would start the save's

@@ -90,8 +90,8 @@ def low_rank_correction(delta: torch.Tensor, hessian: torch.Tensor, r: int, damp
         (left [out, r], right [r, in], s² [min(out, in)]) in float64 with C = left @ right, split so both
         factors carry sqrt(S_r), and the squared singular values (the output energy of each direction).
     """
-    d, h = delta.double().cpu(), hessian.double().cpu()
-    h = h + damp * h.diagonal().mean().clamp(min=1e-12) * torch.eye(h.shape[0], dtype=h.dtype)
+    d, h = delta.double(), hessian.double().to(delta.device)  # where delta is: the CPU, or a CUDA device
+    h = h + damp * h.diagonal().mean().clamp(min=1e-12) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     chol = torch.linalg.cholesky(h)
     u, s, vh = torch.linalg.svd(d @ chol, full_matrices=False)
     r = min(r, s.numel())
@@ -103,7 +103,7 @@ def low_rank_correction(delta: torch.Tensor, hessian: torch.Tensor, r: int, damp
 
 @torch.no_grad()
 def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[torch.Tensor], damp: float = 0.01,
-                          log: Callable[[str], None] = print) -> dict:
+                          log: Callable[[str], None] = print, device: torch.device | str | None = None) -> dict:
     """Set every recovery LoRA pair to the best rank-r correction of its layer's quantisation error on
     calibration inputs, instead of B = 0 (the idea of LoftQ / CLoQ, in GPTQ's output metric).
 
@@ -117,6 +117,8 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
         model: the PEFT model from `add_recovery_lora_` (adapters not yet trained).
         reference: the full-precision model the student was quantised from (same architecture, not quantised).
         batches: input_ids [B, L] (training text, never the evaluation text).
+        device: where each decoder layer (student and reference) runs in turn, then goes back where it was
+            (None: where it is); the Cholesky and SVD run there on CUDA, else on the host (XLA lowers neither).
     Returns:
         {"layers": {name: share of the layer's output error removed}, "removed": mean share, "seconds"}.
     Raises:
@@ -135,14 +137,19 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
     removed: dict[str, float] = {}
     for index, (layer, ref_layer) in enumerate(zip(layers, ref_layers)):
         loras = _lora_layers(layer)
+        homes = [next(m.parameters()).device for m in (layer, ref_layer)]
+        run_on = torch.device(device) if device is not None else homes[0]
+        solve_on = run_on if run_on.type == "cuda" else torch.device("cpu")
+        layer.to(run_on)
+        ref_layer.to(run_on)
         if loras:
-            hessians = collect_hessians(layer, inputs, {n: m.base_layer for n, m in loras.items()})
+            hessians = collect_hessians(layer, inputs, {n: m.base_layer for n, m in loras.items()}, to=solve_on)
             for name, lora in loras.items():
                 key = lora.active_adapters[0]
                 a, b = lora.lora_A[key].weight, lora.lora_B[key].weight
                 base = lora.base_layer
-                delta = ref_layer.get_submodule(name).weight.detach().double().cpu() - \
-                    base.quantized_weight().detach().double().cpu()
+                delta = ref_layer.get_submodule(name).weight.detach().to(solve_on, torch.float64) - \
+                    base.quantized_weight().detach().to(solve_on, torch.float64)
                 left, right, energy = low_rank_correction(delta, hessians[name], a.shape[0], damp)
                 # PEFT adds scaling x B(A(x)): fold 1/scaling into both factors equally.
                 factor = 1.0 / math.sqrt(float(lora.scaling[key]))
@@ -150,6 +157,8 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
                 a.copy_((right * factor).to(a.dtype))
                 removed[f"layers.{index}.{name}"] = float(energy[:a.shape[0]].sum() / energy.sum().clamp(min=1e-300))
         inputs = inputs.with_hidden(blocks.run_block(layer, inputs))
+        layer.to(homes[0])
+        ref_layer.to(homes[1])
     model.train(was_training)
     share = sum(removed.values()) / len(removed)
     log(f"calibrated LoRA init: {share:.1%} of the layers' output error energy removed on average "
@@ -158,10 +167,11 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
 
 
 def lora_start_(model: nn.Module, lora_init: str, model_path: str, cache_dir: str, sequences: int, batch_size: int,
-                log: Callable[[str], None] = print) -> dict:
+                log: Callable[[str], None] = print, device: torch.device | str | None = None) -> dict:
     """Set a fresh PEFT model's adapters as `lora_init` says: "calibrated" (`calibrated_lora_init_` on the first
     `sequences` training sequences of a KD cache, all if it holds fewer, against `model_path`'s full-precision
-    weights) or a saved adapter folder (its A and B copied in). "zero" leaves them as PEFT made them.
+    weights, one decoder layer at a time on `device`) or a saved adapter folder (its A and B copied in). "zero"
+    leaves them as PEFT made them.
 
     Raises:
         ValueError: the folder's adapter covers other modules or shapes (TrainConfig checks rank and alpha).
@@ -173,7 +183,7 @@ def lora_start_(model: nn.Module, lora_init: str, model_path: str, cache_dir: st
 
         batches = calibration_batches(cache_dir, min(sequences, KDCache(cache_dir).num_sequences("train")),
                                       batch_size)
-        return calibrated_lora_init_(model, models.load_causal_lm(model_path), batches, log=log)
+        return calibrated_lora_init_(model, models.load_causal_lm(model_path), batches, log=log, device=device)
     _copy_adapter_(model, Path(lora_init))
     log(f"LoRA starts from the adapters in {lora_init}")
     return {"from": lora_init}

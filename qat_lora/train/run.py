@@ -142,6 +142,22 @@ def _check_cache(cfg: TrainConfig, cache: KDCache, backend: Backend) -> None:
                          "--holdout-fraction > 0 or pass --eval-steps 0")
 
 
+def _lora_start_(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, backend: Backend,
+                 log: Callable[[str], None]) -> None:
+    """The adapters' start (--lora-init), the same on every rank: the calibrated start is computed once, on the
+    master, one decoder layer at a time on the device (not on every rank's host), then every rank takes the
+    master's A and B; a folder's adapters are read by each rank (a copy)."""
+    calibrated = cfg.lora_init == "calibrated"
+    if backend.is_master or not calibrated:
+        lora_start_(model, cfg.lora_init, cfg.model, cfg.cache, cfg.lora_init_sequences, cfg.batch_size,
+                    log if backend.is_master else lambda _: None, device=device)
+    if calibrated and backend.world_size > 1:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(backend.all_gather(p.detach())[0])  # rank 0's
+
+
 def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Backend,
             log: Callable[[str], None]) -> Run:
     """Student, trainable parameters, data and optimizer; every input is checked before the run folder is touched."""
@@ -155,9 +171,8 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
     backend.rendezvous("out-ready")
     dev.seed_everything(cfg.seed)  # same seed on every rank: identical initial adapters everywhere
     model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha)
-    if resume_from is None:  # a resumed run loads its adapters instead; on the host, the same on every rank
-        lora_start_(model, cfg.lora_init, cfg.model, cfg.cache, cfg.lora_init_sequences, cfg.batch_size,
-                    log if backend.is_master else lambda _: None)
+    if resume_from is None:  # a resumed run loads its adapters instead
+        _lora_start_(cfg, model, device, backend, log)
     model = backend.shard_model_(set_storage_dtype_(model, cfg.storage_dtype), device)  # fsdp: split as it moves
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing_(model, device)
