@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from qat_lora.data.models import load_causal_lm
 from qat_lora.quant.fake_quant import (PRESETS, FakeQuantLinear, QuantConfig, get_preset, latent_weights, quantize_,
@@ -433,3 +434,15 @@ def test_lut_lookup_as_compare_and_sum_equals_searchsorted_including_ties(monkey
     monkeypatch.setattr(dev, "searchsorted_is_native", lambda device: False)
     values_cs, codes_cs = _lut_lookup(v, codebook)
     assert torch.equal(codes, codes_cs) and torch.equal(values, values_cs)
+
+
+def test_a_frozen_layer_under_autocast_caches_wq_in_the_compute_dtype_with_the_same_output():
+    layer = FakeQuantLinear.from_linear(nn.Linear(64, 32), QuantConfig(bits=3, group_size=32)).requires_grad_(False)
+    x = torch.randn(4, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = F.linear(x, layer.quantized_weight(), layer.bias)  # what autocast made of the fp32 Wq each forward
+        got = layer(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, before)
+    assert layer._cached_wq.dtype == torch.bfloat16  # cast once, kept: no per-forward cast of every frozen weight
+    assert torch.equal(layer(x), F.linear(x, layer.quantized_weight().to(x.dtype), layer.bias))  # fp32 outside
+    assert layer._cached_wq.dtype == torch.float32

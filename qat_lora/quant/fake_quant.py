@@ -143,8 +143,10 @@ class FakeQuantLinear(nn.Linear):
         """Whether Wq depends on a trained tensor (the latent weight or a quantiser parameter)."""
         return any(p.requires_grad for p in (self.weight, *self.quant_parameters().values()))
 
-    def quantized_weight(self) -> torch.Tensor:
-        """The [out, in] fake-quantised weight used by forward."""
+    def quantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The [out, in] fake-quantised weight used by forward. `dtype`: a frozen layer's cached Wq is kept in
+        that dtype (forward passes autocast's compute dtype: the cast autocast would make on every forward, made
+        once; the same values); a trained Wq is returned as computed (its gradient flows through the cast)."""
         if self._stores_wq:
             return self.weight
         if self._step_leaf is not None:
@@ -153,10 +155,11 @@ class FakeQuantLinear(nn.Linear):
             self._cached_wq = None
             return self._fake_quantize()
         key = (*(p._version for p in (self.weight, *self.quant_parameters().values())), self.weight.device,
-               self.weight.dtype)
+               self.weight.dtype, dtype)
         if self._cached_wq is None or key != self._cache_key:
             with torch.no_grad():
-                self._cached_wq = self._fake_quantize()
+                wq = self._fake_quantize()
+                self._cached_wq = wq if dtype is None else wq.to(dtype)
                 if self.wq_layout is not None:
                     self.wq_layout(self._cached_wq)
             self._cache_key = key
@@ -191,7 +194,11 @@ class FakeQuantLinear(nn.Linear):
         self._stores_wq, self._cached_wq = True, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.quantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):  # autocast casts the weight to its dtype: a frozen Wq is cached so
+            return F.linear(x, self.quantized_weight(torch.get_autocast_dtype(kind)), bias)
+        return F.linear(x, self.quantized_weight().to(x.dtype), bias)
 
     def _apply(self, fn, recurse=True):
         self._cached_wq = None  # .to()/.cuda() must not keep a stale copy on the old device
