@@ -103,7 +103,7 @@ def test_spmd_over_two_devices_with_recompute_matches_one_device_with_the_whole_
            "--gradient-checkpointing"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "training one SPMD process over 2 devices" in result.stdout
+    assert "--parallel auto: one SPMD process over 2 XLA devices" in result.stdout
     report = json.loads((out / "compile_report.json").read_text())
     assert 1 <= report["graphs_compiled"] <= 3 and report["graphs_compiled_after_step_2"] == 0, report
     summary = json.loads((out / "summary.json").read_text())
