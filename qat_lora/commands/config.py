@@ -15,7 +15,7 @@ from qat_lora.runtime.files import check_out_apart_from_inputs
 from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check_output_file, refuse_unused_flags,
                                       require_at_most, require_non_negative, require_positive, require_seed)
 from qat_lora.cache.config import CacheBuildConfig
-from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encoding_from_flags
+from qat_lora.cache.encodings import encoding_from_flags
 from qat_lora.quant.fake_quant import get_preset
 from qat_lora.train.config import StudentSpec, check_adapter, check_lora_init
 
@@ -329,7 +329,6 @@ class DemoConfig(DeviceInput):
         check_lora_init(self.lora_init, folder_allowed=False)
         # The cache's own checks, before anything downloads (the demo keeps build-cache's --value-bits).
         encoding_from_flags(self.encoding, self.top_k, CacheBuildConfig.value_bits, self.num_samples)
-        SampledEncoding(self.num_samples), TopKEncoding(self.top_k, 16)  # 0 here is a value, not "not given"
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
         if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used
