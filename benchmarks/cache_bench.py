@@ -87,8 +87,9 @@ def _forward_only(args, teacher, rows: np.ndarray) -> float:
 
 def _build(args) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = CacheBuildConfig(teacher=args.teacher, data=args.data, out=tmp, seq_len=args.seq_len, top_k=args.top_k,
-                               value_bits=16, max_tokens=args.tokens, batch_size=args.batch_size,
+        # top-K explicitly: the forward-only baseline takes the top-K, and the default encoding is sampled now.
+        cfg = CacheBuildConfig(teacher=args.teacher, data=args.data, out=tmp, seq_len=args.seq_len, encoding="topk",
+                               top_k=args.top_k, value_bits=16, max_tokens=args.tokens, batch_size=args.batch_size,
                                holdout_fraction=0.0, device=args.device)
         build_cache(cfg, log=lambda _: None)
         return json.loads((Path(tmp) / "manifest-r000.json").read_text())["seconds"]  # excludes model loading
