@@ -94,7 +94,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
             first_step = run.step
             data = endless_batches(run.cache, rows_per_micro_step(cfg, backend), cfg.seed, backend.rank,
                                    backend.world_size, start=first_step * cfg.accumulation_steps)
-            dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
+            dims = _batch_dims(run.cache)
             if run.teacher is not None:  # the cache's targets stay on the host: the teacher makes its own
                 data = ({k: batch[k] for k in BASE_KEYS} for batch in data)
                 dims = {k: dims[k] for k in BASE_KEYS}
@@ -109,6 +109,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
             summary = _finish(run, run.started, first_step, run.compiled_by_step_2, log)
     backend.shutdown()
     return summary
+
+
+def _batch_dims(cache: KDCache) -> dict[str, int]:
+    """{name: dims} of a batch of `cache`'s sequences (one more than a sequence's): what input_sharding lays out."""
+    return {k: v.dim() + 1 for k, v in cache.sequence(0).items()}
 
 
 def _loop(run: Run, batches: Iterator, log: Callable[[str], None], rerun: str = RERUN) -> None:
@@ -233,10 +238,10 @@ def _evaluate(run: Run, metrics: runs.MetricsLog, amp_dtype) -> None:
         # Training's autocast (the loss it reports is training's) and, in one SPMD process, training's layout:
         # each device evaluates its own --batch-size rows instead of every device the whole batch.
         one_process = run.backend.world_size == 1
-        dims = {k: v.dim() + 1 for k, v in run.cache.sequence(0).items()}
-        result = kd_metrics(run.model, run.cache, rows_per_micro_step(run.cfg, run.backend) if one_process
-                            else run.cfg.batch_size, run.device, amp_dtype=amp_dtype, chunk_size=run.cfg.loss_chunk_size,
-                            sharding=run.backend.input_sharding(dims) if one_process else None)
+        rows = rows_per_micro_step(run.cfg, run.backend) if one_process else run.cfg.batch_size
+        sharding = run.backend.input_sharding(_batch_dims(run.cache)) if one_process else None
+        result = kd_metrics(run.model, run.cache, rows, run.device, amp_dtype=amp_dtype,
+                            chunk_size=run.cfg.loss_chunk_size, sharding=sharding)
         run.model.train()
         result["eval_loss"] = run.cfg.alpha * result["kd_soft_ce"] + (1.0 - run.cfg.alpha) * result["kd_ce"]
         metrics.write({"step": run.step, **result})
