@@ -370,7 +370,7 @@ def test_teacher_dtype_and_matmul_precision_flags(reference, teacher_dir, corpus
     cfg = _config(teacher_dir, corpus_dir, tmp_path)
     before = {k: v for k, v in asdict(cfg).items()
               if k not in ("resume", "overwrite", "device", "parallel", "dtype", "matmul_precision",
-                           "text_encoding", "text_errors")}
+                           "text_encoding", "text_errors", "xla_cache_dir")}
     before["num_samples"] = 50  # what a top-K build carried before sampled N = 64 became the default
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
     assert _config(teacher_dir, corpus_dir, tmp_path, dtype="bf16").fingerprint() != cfg.fingerprint()

@@ -8,6 +8,7 @@ rank is done, `merge_manifests` (merge.py; automatic for one rank) writes the si
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -218,8 +219,11 @@ def _build(cfg: CacheBuildConfig, files: list[Path], log: Callable[[str], None],
     prepare_out(cfg)
     backend = backend or Backend()
     # A builder among several on this host (launch.build_cache_on_chips, torchrun) drives its own GPU.
-    device = dev.prepare_process(dev.resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0")),
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = dev.prepare_process(dev.resolve_device(cfg.device), local_rank,
                                  int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if dev.is_xla(device):  # a rebuild, a resume or the next build of this teacher loads its graphs from disk
+        xla.init_xla_cache(cfg.xla_cache_dir, local_rank)
     _teacher_to(teacher, device, _TEACHER_DTYPE[cfg.dtype], backend)
     encoding, vocab = cfg.target_encoding(), models.vocab_size(teacher)
     header = _header(cfg, corpus, identity, tokenizer, vocab, encoding)
@@ -301,6 +305,7 @@ def _build_split(cfg, teacher, device, backend: Backend, encoding, split: str, p
     for shard_start in range(done, len(rows), cfg.shard_sequences):
         shard_rows = rows[shard_start:shard_start + cfg.shard_sequences]
         selected: list[dict] = []
+        previous: Callable[[], None] | None = None  # the last batch's results, on their way to the host
         for start in range(0, len(shard_rows), batch_size):
             if stop.signum is not None:  # checked per batch: a large shard of a large teacher takes minutes
                 raise _Stopped(stop.signum)
@@ -313,14 +318,26 @@ def _build_split(cfg, teacher, device, backend: Backend, encoding, split: str, p
                 placed = backend.shard_rows_(torch.from_numpy(ids).to(device))
                 logits = backend.shard_rows_(teacher(input_ids=placed).logits)
             seeds = [_row_seed(cfg.seed, split, int(r)) for r in batch_rows]
-            # The whole padded batch is selected (a short last batch compiles no second graph on XLA); select
-            # fetches its results in one transfer, which runs the batch's graph once, and drops the pad rows.
-            selected += encoding.select(logits, seeds)
-            bar.update(int(mask[batch_rows].sum()))
+            # The whole padded batch is selected (a short last batch compiles no second graph on XLA) and its
+            # graph launched; the last batch's results come to the host while this one computes (one transfer
+            # each), and the pad rows are dropped there.
+            fetch = dev.to_host_soon(encoding.select_on_device(logits, seeds))
+            if previous is not None:
+                previous()
+            previous = functools.partial(_collect, encoding, fetch, batch_rows, mask, selected, bar)
+        if previous is not None:
+            previous()
         name = f"{split}-r{cfg.rank:03d}-{shard_start // cfg.shard_sequences:05d}.safetensors"
         base = {"input_ids": input_ids[shard_rows].astype(np.int32), "attention_mask": mask[shard_rows]}
         span = [int(shard_rows[0]), int(shard_rows[-1]) + cfg.world_size, cfg.world_size]  # range(*span)
         writer.submit(split, name, base, selected, span)
+
+
+def _collect(encoding, fetch: Callable[[], list[torch.Tensor]], batch_rows: np.ndarray, mask: np.ndarray,
+             selected: list[dict], bar: tqdm) -> None:
+    """One batch's selection, fetched to the host, appended to its shard's rows."""
+    selected += encoding.host_rows(fetch(), len(batch_rows))
+    bar.update(int(mask[batch_rows].sum()))
 
 
 def _header(cfg: CacheBuildConfig, corpus: str, identity: dict, tokenizer, vocab: int, encoding) -> dict:
@@ -334,7 +351,7 @@ def _header(cfg: CacheBuildConfig, corpus: str, identity: dict, tokenizer, vocab
 
 # Flags that change where files lie, which device runs or how batches are cut, never a shard's bytes.
 _PLACEMENT_FLAGS = ("teacher", "data", "out", "rank", "resume", "overwrite", "device", "parallel", "num_chips",
-                    "batch_size")
+                    "batch_size", "xla_cache_dir")
 
 
 def _build_id(cfg: CacheBuildConfig, header: dict) -> str:

@@ -8,8 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from qat_lora.data.config import TextInput
-from qat_lora.runtime.options import (DeviceInput, PrecisionInput, refuse_unused_flags, require_non_negative,
-                                      require_positive)
+from qat_lora.runtime.options import (DeviceInput, PrecisionInput, paths_as_flags, refuse_unused_flags,
+                                      require_non_negative, require_positive)
 from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encoding_from_flags
 
 TEACHER_DTYPES = ("fp32", "bf16")
@@ -62,13 +62,16 @@ class CacheBuildConfig(TextInput, DeviceInput, PrecisionInput):
                                                         "else one process each), ranks --rank x N + i of "
                                                         "--world-size x N; 0 = every TPU chip, one device elsewhere"})
     parallel: str = field(default="auto", metadata={
-        "help": "with several chips: processes (one builder per chip, each holding the whole teacher; auto), spmd "
-                "(one process, each batch split over the chips) or fsdp (spmd with the teacher's weights split "
-                "too: a teacher larger than one chip)"})
+        "help": "with several chips: spmd (one process, each batch split over the chips; auto on XLA: one teacher "
+                "load, fingerprint and tokenisation per host), processes (one builder per chip, each holding the "
+                "whole teacher; auto elsewhere) or fsdp (spmd with the teacher's weights split too: a teacher "
+                "larger than one chip)"})
+    xla_cache_dir: str = DeviceInput.xla_cache_dir_field()
     resume: bool = field(default=False, metadata={"help": "continue an interrupted build in --out"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing cache in --out"})
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         if self.parallel not in BUILD_PARALLEL_MODES:
             raise ValueError(f"--parallel {self.parallel!r}: choose one of {', '.join(BUILD_PARALLEL_MODES)}")
         if not self.teacher:
@@ -95,8 +98,11 @@ class CacheBuildConfig(TextInput, DeviceInput, PrecisionInput):
     def unused_flags(self) -> dict[str, str]:
         """{field: what it needs} for the flags that do nothing under these options (refused when typed: an old
         command line with --top-k and no --encoding would otherwise build a sampled cache without a word)."""
-        return {name: f"--encoding {encoding} (this build is --encoding {self.encoding})"
-                for encoding, names in _ENCODING_FLAGS.items() if encoding != self.encoding for name in names}
+        unused = {name: f"--encoding {encoding} (this build is --encoding {self.encoding})"
+                  for encoding, names in _ENCODING_FLAGS.items() if encoding != self.encoding for name in names}
+        if self.device in ("cpu", "cuda"):
+            unused["xla_cache_dir"] = f"an XLA device (--device xla, tpu or auto; not {self.device})"
+        return unused
 
     def target_encoding(self) -> TopKEncoding | SampledEncoding:
         return encoding_from_flags(self.encoding, self.top_k, self.value_bits, self.num_samples)
@@ -104,7 +110,8 @@ class CacheBuildConfig(TextInput, DeviceInput, PrecisionInput):
     def fingerprint(self) -> str:
         """What must match for --resume to continue a build (everything but resume/overwrite/device)."""
         # How the chips share the work changes nothing in the shards (tests/test_cache_spmd.py).
-        args = {k: v for k, v in asdict(self).items() if k not in ("resume", "overwrite", "device", "parallel")}
+        args = {k: v for k, v in asdict(self).items() if k not in ("resume", "overwrite", "device", "parallel",
+                                                                    "xla_cache_dir")}
         for name, default in _LATER_BUILD_FIELDS.items():  # builds started before these existed still resume
             if args[name] == default:
                 del args[name]

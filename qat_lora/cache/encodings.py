@@ -63,14 +63,22 @@ class TopKEncoding:
 
     ragged_keys = ()
 
-    @torch.no_grad()
     def select(self, logits: torch.Tensor, seeds: list[int]) -> list[dict[str, np.ndarray]]:
-        """On the teacher's device: logits [B, L, V] -> the top-K log-probs and ids [L, K] of the first
-        len(seeds) rows (the seeds are not needed otherwise). The rows after them are padding: the whole
-        batch is selected (one graph shape for every batch on XLA) and the padding dropped on the host."""
-        values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.top_k, dim=-1)
-        values, ids = dev.to_host([values, ids])  # one transfer; on XLA the teacher's graph runs here, once
-        rows = len(seeds)
+        """select_on_device, then its results on the host in one transfer (on XLA the teacher's graph runs
+        there, once)."""
+        return self.host_rows(dev.to_host(self.select_on_device(logits, seeds)), len(seeds))
+
+    @torch.no_grad()
+    def select_on_device(self, logits: torch.Tensor, seeds: list[int]) -> list[torch.Tensor]:
+        """On the teacher's device: logits [B, L, V] -> the top-K log-probs and ids [B, L, K] of every row, the
+        padding rows after the first len(seeds) included (one graph shape for every batch on XLA); the seeds
+        are not needed."""
+        return list(torch.topk(torch.log_softmax(logits.float(), dim=-1), self.top_k, dim=-1))
+
+    @staticmethod
+    def host_rows(selected: list[torch.Tensor], rows: int) -> list[dict[str, np.ndarray]]:
+        """select_on_device's tensors, on the host -> one dict per real row (the padding dropped)."""
+        values, ids = selected
         return [{"values": v, "ids": i} for v, i in zip(values[:rows].numpy(), ids[:rows].numpy())]
 
     def pack_row(self, selected: dict[str, np.ndarray], vocab_size: int) -> dict[str, np.ndarray]:
@@ -120,14 +128,16 @@ class SampledEncoding:
 
     ragged_keys = ("sample_data",)
 
-    @torch.no_grad()
     def select(self, logits: torch.Tensor, seeds: list[int]) -> list[dict[str, np.ndarray]]:
-        """Logits [B, L, V] -> per row of the first len(seeds) (the rest is padding) the draws [L, N].
+        """Logits [B, L, V] -> per row of the first len(seeds) (the rest is padding) the draws [L, N]; only the
+        [B, L, N] ids leave the device, in one transfer."""
+        return self.host_rows(dev.to_host(self.select_on_device(logits, seeds)), len(seeds))
 
-        Inverse-CDF sampling on the teacher's device: the uniforms come from one CPU generator per row, seeded
+    @torch.no_grad()
+    def select_on_device(self, logits: torch.Tensor, seeds: list[int]) -> list[torch.Tensor]:
+        """Inverse-CDF sampling on the teacher's device: the uniforms come from one CPU generator per row, seeded
         by `seeds` (a row's draws never depend on which rows share its batch, and CPU, CUDA and XLA draw the
-        same tokens up to the logits' rounding); only the [B, L, N] ids leave the device, in one transfer.
-        """
+        same tokens up to the logits' rounding). Returns [draws [B, L, N]], padding rows included."""
         cdf = torch.softmax(logits.float(), dim=-1).cumsum_(-1)  # in place: one [B, L, V] float tensor, not two
         batch, length, vocab = cdf.shape
         uniforms = torch.zeros(batch, length, self.num_samples)
@@ -135,9 +145,12 @@ class SampledEncoding:
             uniforms[row] = torch.rand(length, self.num_samples, generator=torch.Generator().manual_seed(seed))
         # Scaled by the row's own total, which rounding keeps near but not at 1: every draw lands in the vocabulary.
         targets = uniforms.to(cdf.device) * cdf[..., -1:]
-        draws = inverse_cdf(cdf, targets).clamp(max=vocab - 1)
-        (draws,) = dev.to_host([draws])
-        return [{"draws": d.numpy()} for d in draws[:len(seeds)]]
+        return [inverse_cdf(cdf, targets).clamp(max=vocab - 1)]
+
+    @staticmethod
+    def host_rows(selected: list[torch.Tensor], rows: int) -> list[dict[str, np.ndarray]]:
+        """select_on_device's tensors, on the host -> one dict per real row (the padding dropped)."""
+        return [{"draws": d.numpy()} for d in selected[0][:rows]]
 
     def pack_row(self, selected: dict[str, np.ndarray], vocab_size: int) -> dict[str, np.ndarray]:
         ordered = np.sort(selected["draws"], axis=1)  # [L, N]

@@ -1,9 +1,11 @@
 """Building a cache on N chips (`qat-lora build-cache`): one builder per chip of this host, each writing its
 rank's shards and partial manifest with no collective, then (once every rank is done) the merge.
 
-On a TPU host the builders are torch_xla.launch replicas; elsewhere local processes (runtime/launch.py's
-launch_local, RANK / WORLD_SIZE only), which is also how XLA:CPU runs them; `--parallel spmd|fsdp` builds in one
-SPMD process over the chips instead.
+On XLA (a TPU host, or XLA:CPU's devices) `--parallel auto` builds in one SPMD process over the chips, as
+`--parallel spmd|fsdp` do: the host loads, fingerprints and tokenises once, and one process compiles the teacher
+once per shape (the persistent compile cache keeps it for the next build). Elsewhere, and with `--parallel
+processes`, one builder per chip: torch_xla.launch replicas on a TPU host, else local processes
+(runtime/launch.py's launch_local, RANK / WORLD_SIZE only).
 """
 from __future__ import annotations
 
@@ -62,13 +64,17 @@ def _build_locked(cfg: CacheBuildConfig, log: Callable[[str], None]) -> Path:
     from qat_lora.cache.folder import clear_debris, prepare_out
 
     chips = chips_to_use(cfg.num_chips, cfg.device)
-    if cfg.parallel in ("spmd", "fsdp"):
+    parallel = cfg.parallel
+    if parallel == "auto" and chips > 1 and dev.wants_xla(cfg.device):
+        log(f"--parallel auto: one SPMD process over {chips} XLA devices (each batch split over them)")
+        parallel = "spmd"
+    if parallel in ("spmd", "fsdp"):
         if not dev.wants_xla(cfg.device):
-            raise ValueError(f"--parallel {cfg.parallel} with --device {cfg.device}: SPMD needs --device xla or tpu; "
+            raise ValueError(f"--parallel {parallel} with --device {cfg.device}: SPMD needs --device xla or tpu; "
                              "use --parallel processes")
         if dev.tpu_present():
             select_tpu_chips(chips, per_process=False, log=log)
-        backend = spmd_backend(chips, fsdp=cfg.parallel == "fsdp")
+        backend = spmd_backend(chips, fsdp=parallel == "fsdp")
         if backend.world_size > 1:  # the build places each batch as one host's whole: it cannot feed a pod's mesh
             raise ValueError(f"--parallel {cfg.parallel} on a {backend.world_size}-host slice: build with --parallel "
                              "processes on every host (each takes its share of the ranks), or on one host's chips")

@@ -150,6 +150,24 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [next(fetched) if is_xla(t.device) else t.detach().cpu() for t in tensors]
 
 
+def to_host_soon(tensors: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """Start bringing `tensors` to the host and return the call that ends it (to_host's result), so the device
+    computes the next batch while the host waits for, then uses, this one: on XLA their graph is launched now,
+    without waiting (the one transfer happens at the call); on CUDA they are copied into pinned host memory
+    behind the work already queued, and the call waits for that copy only; on the CPU there is nothing to wait for.
+    """
+    tensors = [t.detach() for t in tensors]
+    if tensors and is_xla(tensors[0].device):
+        xla.launch(tensors)
+        return lambda: to_host(tensors)
+    if tensors and tensors[0].device.type == "cuda":
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+        copied = torch.cuda.Event()
+        copied.record()
+        return lambda: (copied.synchronize(), host)[1]
+    return lambda: to_host(tensors)
+
+
 def state_dict_to_cpu(state: dict) -> dict:
     """Tensors of a state dict moved to the CPU in one transfer (save_pretrained of a model living on XLA fails
     otherwise)."""

@@ -71,6 +71,8 @@ def compile_metrics() -> dict:
         # Graphs loaded from the persistent cache, and graphs it did not hold (then compiled and written).
         "persistent_cache_hits": int(met.counter_value("PersistentCacheHit") or 0),
         "persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
+        # Found on disk but not loadable here (XLA:CPU's PJRT client cannot deserialize executables): compiled.
+        "persistent_cache_unloadable": int(met.counter_value("PersistentCacheDeserializeFailure") or 0),
         "cpu_fallback_ops": sorted(name for name in met.counter_names() if name.startswith("aten::")),
     }
 
@@ -193,6 +195,15 @@ def wait_for(tensors: list[torch.Tensor]) -> None:
     # Public: xm.unlazy makes this very call but is documented "for benchmarking, don't use it in real models";
     # torch_xla.sync() neither waits nor limits the graph to these tensors.
     torch_xla._XLAC._xla_sync_multi(tensors, [], True, True)
+
+
+def launch(tensors: list[torch.Tensor]) -> None:
+    """Run the pending graph of `tensors` without waiting for it: the host goes on (with the next batch's
+    inputs) while the device computes; reading them later waits for the results."""
+    import torch_xla
+
+    # Public: torch_xla.sync() also returns at once, but cuts the graph of every live tensor, not just these.
+    torch_xla._XLAC._xla_sync_multi(tensors, [], False, True)
 
 
 def sharding_spec(tensor: torch.Tensor) -> str:
