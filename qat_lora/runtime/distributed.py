@@ -10,15 +10,21 @@ runtime/launch.py's job.
   (`qat-lora train --num-chips N`), by torchrun, or by any multi-host launcher that sets RANK / WORLD_SIZE /
   MASTER_ADDR / MASTER_PORT.
 - `XlaBackend`: `torch_xla.launch` replicas on TPU: `xm.reduce_gradients` then a plain `optimizer.step()`,
-  `xm.rendezvous(tag)`. XLA:CPU cannot run collectives between spawned replicas (pytorch/xla #5005, #9089),
-  so multi-process semantics are tested through gloo.
+  `xm.rendezvous(tag)`. torch_xla's collectives have no timeout: a `WaitWatchdog` ends a replica whose wait on
+  the others outlasts --dist-timeout-s, as gloo's timeout does. XLA:CPU cannot run collectives between spawned
+  replicas (pytorch/xla #5005, #9089), so multi-process semantics are tested through gloo.
 - `SpmdBackend`: one process driving every XLA device, the batch sharded over a 'data' mesh.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 
@@ -149,23 +155,60 @@ class TorchDistributedBackend(Backend):
         return f"torch.distributed ({self.name}), rank {self.rank} of {self.world_size}"
 
 
-class XlaBackend(Backend):
-    """torch_xla replicas (torch_xla.launch / xmp.spawn), one per TPU chip."""
+class WaitWatchdog:
+    """Ends this process (exit 1, one line on stderr) when one wait on the other ranks lasts over `timeout_s`.
 
-    def __init__(self) -> None:
+    torch_xla's collectives have no timeout: a replica whose peer died waits in the next rendezvous or host read
+    forever, and keeps its chip. Ended, it breaks torch_xla.launch's process pool, whose parent then stops every
+    replica (train/launch.py). Only waits are timed (as gloo's timeout does), never compiles or the work between.
+    """
+
+    def __init__(self, timeout_s: float, rank: int) -> None:
+        self.timeout_s, self.rank = timeout_s, rank
+        self._since: float | None = None
+        self._what = ""
+        threading.Thread(target=self._watch, name="qat-lora-wait-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        self._what, self._since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 10))
+            since = self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                sys.stderr.write(f"rank {self.rank}: waited over --dist-timeout-s {self.timeout_s:g} s for the other "
+                                 f"replicas ({self._what}): one of them died or hung; ending this one too\n")
+                sys.stderr.flush()
+                os._exit(1)
+
+
+class XlaBackend(Backend):
+    """torch_xla replicas (torch_xla.launch / xmp.spawn), one per TPU chip; each wait on the others is bounded
+    by `timeout_s` (WaitWatchdog)."""
+
+    def __init__(self, timeout_s: float = 600.0) -> None:
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
 
         self._xm = xm
         self.rank, self.world_size = xr.global_ordinal(), xr.world_size()
         self.local_rank = xr.local_ordinal()
+        self._watchdog = WaitWatchdog(timeout_s, self.rank)
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        # Then a plain optimizer.step(): xm.optimizer_step would all-reduce a second time (DESIGN §6).
+        # Then a plain optimizer.step(): xm.optimizer_step would all-reduce a second time (DESIGN §6). Lazy: the
+        # all-reduce runs with the step's graph, and a missing peer shows at the next host read (agree), timed.
         self._xm.reduce_gradients(optimizer)
 
     def rendezvous(self, tag: str) -> None:
-        self._xm.rendezvous(tag)
+        with self._watchdog.waiting(f"rendezvous {tag}"):
+            self._xm.rendezvous(tag)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         import torch_xla
@@ -175,7 +218,8 @@ class XlaBackend(Backend):
         floating = tensor.is_floating_point()
         flat = tensor.reshape(1, -1)
         row = flat.to(torch.float32).view(torch.int32) if floating else flat.to(torch.int32)
-        gathered = self._xm.all_gather(row.to(torch_xla.device()), dim=0).cpu()
+        with self._watchdog.waiting("all_gather"):
+            gathered = self._xm.all_gather(row.to(torch_xla.device()), dim=0).cpu()
         return [(r.view(torch.float32) if floating else r).to(tensor.dtype).reshape(tensor.shape) for r in gathered]
 
     def agree(self, stop: bool, stats: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
@@ -184,7 +228,8 @@ class XlaBackend(Backend):
         # float32 flags: narrow integer collectives are not lowered on every TPU generation.
         flags = torch.stack([torch.tensor(float(stop)).to(stats.device), 1.0 - stats[-1]])  # (stop, diverged)
         reduced = self._xm.all_reduce(self._xm.REDUCE_MAX, flags)
-        host = dev.to_host([torch.cat([stats, reduced])])[0]  # the one host read
+        with self._watchdog.waiting("the log step's all-reduce"):  # the steps since the last read run here too
+            host = dev.to_host([torch.cat([stats, reduced])])[0]  # the one host read
         return bool(host[-2] > 0.5), not bool(host[-1] > 0.5), host[:-2]
 
     def describe(self) -> str:

@@ -61,11 +61,7 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> int:
     if parallel in one_process:
         return _train_spmd(cfg, fsdp=parallel == "fsdp")
     if xla:
-        import torch_xla
-
-        log(f"starting torch_xla replicas for {cfg.num_chips} chips")
-        torch_xla.launch(_xla_rank, args=(cfg,))
-        return 0
+        return launch_replicas(cfg, log)
     check_local_devices(cfg)
     log(f"starting {cfg.num_chips} local ranks ({'NCCL' if cfg.device == 'cuda' else 'gloo'})")
     cmd = [sys.executable, "-m", "qat_lora", "train", *to_argv(cfg)]
@@ -86,12 +82,34 @@ def check_local_devices(cfg: TrainConfig) -> None:
                          "fewer")
 
 
+def launch_replicas(cfg: TrainConfig, log: Callable[[str], None] = print, launch: Callable | None = None) -> int:
+    """torch_xla replicas, one per chip (`--parallel processes` on a TPU host), supervised: a replica that dies
+    breaks torch_xla.launch's process pool, which terminates the others, and one whose wait on the others
+    outlasts --dist-timeout-s ends itself (distributed.WaitWatchdog), so a dead or hung replica ends the run
+    with one line and exit 1 instead of leaving the others waiting. `launch` stands in for torch_xla.launch."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    if launch is None:
+        import torch_xla
+
+        launch = torch_xla.launch
+    log(f"starting torch_xla replicas for {cfg.num_chips} chips (each wait on the others bounded by "
+        f"--dist-timeout-s {cfg.dist_timeout_s:g})")
+    try:
+        launch(_xla_rank, args=(cfg,))
+    except BrokenProcessPool:
+        log("a torch_xla replica died or gave up waiting for the others (its line is above); every replica is "
+            "stopped: rerun the same command with --resume auto to continue from the last checkpoint")
+        return 1
+    return 0
+
+
 def _xla_rank(index: int, cfg: TrainConfig) -> None:
     """One torch_xla replica: train with the XLA backend."""
     from qat_lora.runtime.distributed import XlaBackend
     from qat_lora.train.trainer import train
 
-    backend = XlaBackend()
+    backend = XlaBackend(cfg.dist_timeout_s)
     if backend.world_size != cfg.num_chips:  # torch_xla.launch starts one replica per visible chip
         raise ValueError(f"--num-chips {cfg.num_chips}: torch_xla started {backend.world_size} replicas (one per "
                          f"visible chip); pass --num-chips {backend.world_size}, or limit the chips with "
