@@ -20,6 +20,7 @@ from torch import nn
 from qat_lora.cache.reader import KDCache
 from qat_lora.train.metrics import kd_metrics
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
+from qat_lora.quant.lora_layer import dense_merge, lora_delta, requantize_
 
 KEEP_THRESHOLD = 0.5  # a merge that keeps less than half of the adapter's gain is not called good
 
@@ -32,14 +33,10 @@ def _lora_modules(peft_model):
             yield module, base
 
 
-def _delta(module, base: FakeQuantLinear) -> torch.Tensor:
-    """The adapter's dW (scaling included) of one wrapped layer, summed over its active adapters."""
-    return sum(module.get_delta_weight(a).to(base.weight.dtype) for a in module.active_adapters)
-
-
 @torch.no_grad()
 def merge_lora_(peft_model) -> tuple[nn.Module, dict]:
-    """Merge each LoRA adapter into its quantised base and re-quantise with the base's scales.
+    """Merge each LoRA adapter into its quantised base and re-quantise with the base's scales
+    (quant/lora_layer.requantize_, which `QuantLoraLinear.merge(grid=True)` runs too).
 
     Returns:
         (the unwrapped student, {"requant_rel_error": ||Wq' - (Wq + dW)||_F / ||dW||_F over all layers,
@@ -48,10 +45,8 @@ def merge_lora_(peft_model) -> tuple[nn.Module, dict]:
     err2 = delta2 = 0.0
     merged = 0
     for module, base in _lora_modules(peft_model):
-        delta = _delta(module, base)
-        target = base.quantized_weight() + delta
-        base.weight.data = target.clone()  # the latent weight: a following re-snap stage starts from Wq + dW
-        base._cached_wq = None
+        delta = lora_delta(module)
+        target = requantize_(base, delta)  # the latent weight: a following re-snap stage starts from Wq + dW
         err2 += float(((base.quantized_weight() - target) ** 2).sum())
         delta2 += float((delta**2).sum())
         merged += 1
@@ -62,11 +57,10 @@ def merge_lora_(peft_model) -> tuple[nn.Module, dict]:
 @torch.no_grad()
 def merge_full_(peft_model) -> nn.Module:
     """Replace each adapted quantised linear by a plain nn.Linear holding Wq + dW (full precision), in place;
-    any quantised linear without an adapter becomes its Wq. Returns the unwrapped plain transformers model."""
+    any quantised linear without an adapter becomes its Wq. Returns the unwrapped plain transformers model: what
+    `merge_and_unload()` gives over QuantLoraLinear (quant/lora_layer.dense_merge, both), the rest made dense."""
     for module, base in _lora_modules(peft_model):
-        linear = base.to_linear()
-        linear.weight.data = base.quantized_weight() + _delta(module, base)
-        module.base_layer = linear
+        module.base_layer = dense_merge(base, lora_delta(module))
     model = peft_model.unload()
     for name, layer in quantised_layers(model).items():  # collected before the loop replaces them
         parent, _, child = name.rpartition(".")

@@ -14,6 +14,7 @@ weight keeps its straight-through gradient.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -34,10 +35,14 @@ QUANT_PARAMETERS = ("scale", "zero", "codebook", "scale_a", "scale_b", *kquant.P
 class FakeQuantLinear(nn.Linear):
     """An nn.Linear whose forward uses the fake-quantised weight (int or LUT scheme).
 
-    It stays an nn.Linear subclass so PEFT's LoRA wraps it as it would any Linear. `weight` is the latent
-    full-precision weight; `scale` ([out, groups]) and, per scheme, `zero` ([out, groups]), `codebook`
+    It stays an nn.Linear subclass, so anything that takes a Linear takes it; PEFT's LoRA wraps it in
+    quant/lora_layer.QuantLoraLinear (registered by train/lora.py), whose merges know the weight is Wq. `weight` is
+    the latent full-precision weight; `scale` ([out, groups]) and, per scheme, `zero` ([out, groups]), `codebook`
     ([1, 1, 2^b] or [out, groups, 2^b]), `scale_a`/`scale_b` ([out, r], [r, in]) are parameters. When none
-    requires grad (the recovery-LoRA preset), Wq is computed once and reused until one of them changes.
+    requires grad (the recovery-LoRA preset), Wq is computed once and reused until one of them changes: an in-place
+    op on one (its `_version`: `copy_`, `load_state_dict`), a new storage (`weight.data = w`), `.to()`. A write
+    in place through `.data` (`weight.data += d`) is invisible to both, by PyTorch's design of `.data` (a tensor
+    with a version counter of its own): call `invalidate_cache()` after one.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: QuantConfig, group_size: int,
@@ -62,6 +67,7 @@ class FakeQuantLinear(nn.Linear):
             self.scale_b = nn.Parameter(torch.zeros(cfg.scale_rank, in_features, **f32))
         self._cached_wq: torch.Tensor | None = None
         self._cache_key: tuple | None = None
+        self._cache_storages: tuple[weakref.ref, ...] = ()  # the storages the cached Wq was computed from
         self._step_wq: torch.Tensor | None = None  # set inside quantized_weights_once_per_step
         self._step_leaf: torch.Tensor | None = None
         self._stores_wq = False  # `weight` holds Wq itself (store_quantized_weight_), not the latent weight
@@ -134,7 +140,7 @@ class FakeQuantLinear(nn.Linear):
             values["scale_b"] = torch.zeros(cfg.scale_rank, self.in_features)
         for name, value in values.items():
             setattr(self, name, nn.Parameter(value.to(self.weight.device), requires_grad=False))
-        self._cached_wq = None
+        self.invalidate_cache()
 
     def _fake_quantize(self) -> torch.Tensor:
         return quantize_weight(self.weight, self.cfg, self.group_size, self.hold_codes, **self.quant_parameters())
@@ -154,16 +160,24 @@ class FakeQuantLinear(nn.Linear):
         if self.trains():
             self._cached_wq = None
             return self._fake_quantize()
-        key = (*(p._version for p in (self.weight, *self.quant_parameters().values())), self.weight.device,
-               self.weight.dtype, dtype)
-        if self._cached_wq is None or key != self._cache_key:
+        sources = (self.weight, *self.quant_parameters().values())
+        key = (*(p._version for p in sources), self.weight.device, self.weight.dtype, dtype)
+        # The storages too: `.data = w` keeps `_version`; weak references, so a freed storage whose address is
+        # reused cannot pass for the old one (a data_ptr could).
+        if (self._cached_wq is None or key != self._cache_key
+                or any(ref() is not p.untyped_storage() for ref, p in zip(self._cache_storages, sources, strict=True))):
             with torch.no_grad():
                 wq = self._fake_quantize()
                 self._cached_wq = wq if dtype is None else wq.to(dtype)
                 if self.wq_layout is not None:
                     self.wq_layout(self._cached_wq)
             self._cache_key = key
+            self._cache_storages = tuple(weakref.ref(p.untyped_storage()) for p in sources)
         return self._cached_wq
+
+    def invalidate_cache(self) -> None:
+        """Recompute Wq at the next forward: for a write the cache cannot see, one through `.data` in place."""
+        self._cached_wq, self._cache_key, self._cache_storages = None, None, ()
 
     @torch.no_grad()
     def codes(self) -> torch.Tensor:
@@ -191,7 +205,8 @@ class FakeQuantLinear(nn.Linear):
                              "quantiser can drop its latent weight")
         wq = self._fake_quantize().to(dtype)
         self.weight = nn.Parameter(wq, requires_grad=False)
-        self._stores_wq, self._cached_wq = True, None
+        self._stores_wq = True
+        self.invalidate_cache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -200,8 +215,12 @@ class FakeQuantLinear(nn.Linear):
             return F.linear(x, self.quantized_weight(torch.get_autocast_dtype(kind)), bias)
         return F.linear(x, self.quantized_weight().to(x.dtype), bias)
 
+    def __getstate__(self) -> dict:
+        # pickled (torch.save, spawned ranks) without the cache: its storages' weak references cannot be pickled
+        return {**self.__dict__, "_cached_wq": None, "_cache_key": None, "_cache_storages": ()}
+
     def _apply(self, fn, recurse=True):
-        self._cached_wq = None  # .to()/.cuda() must not keep a stale copy on the old device
+        self.invalidate_cache()  # .to()/.cuda() must not keep a stale copy on the old device
         return super()._apply(fn, recurse)
 
     def to_linear(self) -> nn.Linear:

@@ -1,6 +1,7 @@
 """Recovery LoRA over the quantised linears (DESIGN §5), through PEFT.
 
-FakeQuantLinear is an nn.Linear subclass, so PEFT wraps it (as `base_layer`) like any Linear. B starts at
+PEFT wraps each FakeQuantLinear (as `base_layer`) in quant/lora_layer.QuantLoraLinear, registered through its
+custom-module dispatch when adapters are added or loaded here: PEFT's own forward, merges that act on Wq. B starts at
 zero, so the adapted student equals the quantised student at step 0, unless `calibrated_lora_init_` sets each
 pair to the best rank-r correction of its layer's quantisation error. Nothing on the base path is detached:
 gradients flow through the frozen quantised weights to earlier adapters.
@@ -33,6 +34,8 @@ def add_recovery_lora_(model: nn.Module, r: int = 16, alpha: float = 32.0, dropo
     """
     from peft import LoraConfig, get_peft_model
 
+    from qat_lora.quant.lora_layer import register_quant_lora
+
     if r <= 0:
         raise ValueError(f"--lora-r {r}: must be positive")
     names = list(quantised_layers(model))
@@ -46,12 +49,16 @@ def add_recovery_lora_(model: nn.Module, r: int = 16, alpha: float = 32.0, dropo
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=names if clash else leaves,
                         bias="none",
                         task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    return get_peft_model(model, register_quant_lora(config))
 
 
 def load_recovery_lora(model: nn.Module, adapter_dir: str | Path):
-    """Attach saved PEFT adapters (a run's `adapter/` folder or a checkpoint's) to a quantised student."""
-    from peft import PeftModel
+    """Attach saved PEFT adapters (a run's `adapter/` folder or a checkpoint's) to a quantised student, each quantised
+    linear wrapped in QuantLoraLinear (plain PEFT's `from_pretrained` would wrap it in its stock Linear, whose
+    merges act on the latent weight)."""
+    from peft import LoraConfig, PeftModel
+
+    from qat_lora.quant.lora_layer import register_quant_lora
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").exists():
@@ -59,7 +66,8 @@ def load_recovery_lora(model: nn.Module, adapter_dir: str | Path):
     from safetensors import SafetensorError
 
     try:
-        return PeftModel.from_pretrained(model, str(adapter_dir))
+        config = register_quant_lora(LoraConfig.from_pretrained(str(adapter_dir)))
+        return PeftModel.from_pretrained(model, str(adapter_dir), config=config)
     except SafetensorError as e:
         raise ValueError(f"--adapter {adapter_dir}: its weights are damaged or truncated ({e}); use the run's intact "
                          "adapter/ or a checkpoint's") from None
