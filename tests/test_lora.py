@@ -74,20 +74,22 @@ def _correlated_inputs(n: int, d: int, seed: int) -> torch.Tensor:
     return x
 
 
-def test_low_rank_correction_is_the_optimum_in_the_output_metric():
-    """Against an independent construction (symmetric square root of H by eigh instead of Cholesky): the same
-    rank-r product, the removed output energy equals the kept singular values, and weighting by H beats the
-    plain truncated SVD of the weight error."""
+@pytest.mark.parametrize("out_features, in_features", [(24, 64), (64, 24)], ids=["wide", "tall"])
+def test_low_rank_correction_is_the_optimum_in_the_output_metric(out_features, in_features):
+    """Against an independent construction (symmetric square root of H by eigh instead of Cholesky, a full SVD
+    instead of the smaller Gram's eigenvectors): the same rank-r product, the removed output energy equals the
+    kept singular values, and weighting by H beats the plain truncated SVD of the weight error."""
     from qat_lora.train.lora import low_rank_correction
 
     g = torch.Generator().manual_seed(0)
-    delta = torch.randn(24, 64, generator=g, dtype=torch.float64) * 0.01
-    x = _correlated_inputs(400, 64, 1).double()
+    delta = torch.randn(out_features, in_features, generator=g, dtype=torch.float64) * 0.01
+    x = _correlated_inputs(400, in_features, 1).double()
     h = x.T @ x / x.shape[0]
     r, damp = 5, 0.01
     left, right, energy = low_rank_correction(delta, h, r, damp)
-    assert left.shape == (24, r) and right.shape == (r, 64)
-    hd = h + damp * h.diagonal().mean() * torch.eye(64, dtype=torch.float64)
+    assert left.shape == (out_features, r) and right.shape == (r, in_features)
+    assert energy.shape == (min(out_features, in_features),) and bool((energy[:-1] >= energy[1:]).all())
+    hd = h + damp * h.diagonal().mean() * torch.eye(in_features, dtype=torch.float64)
     evals, evecs = torch.linalg.eigh(hd)
     root = evecs @ torch.diag(evals.sqrt()) @ evecs.T
     u, s, vh = torch.linalg.svd(delta @ root)
