@@ -231,6 +231,28 @@ def test_markdown_table_and_plots(first_run, tiny_args):
     assert (json_path.parent / "recovery_test_gap.png").stat().st_size > 0  # per budget: "test"
     assert (json_path.parent / "recovery_test_loss_w4g32.png").stat().st_size > 0
     assert (json_path.parent / "recovery_ppl_tokens.png").stat().st_size > 0
+    assert (json_path.parent / "recovery_frontier.png").stat().st_size > 0
+
+
+def test_bits_shipped_count_an_unmerged_adapter_and_the_frontier_keeps_the_undominated(recovery):
+    records = [{"preset": None, "method": "teacher", "lora_r": None, "tokens": 0, "ppl": 13.5},
+               {"preset": "w3g64", "method": "ptq-gptq", "lora_r": None, "tokens": 0, "ppl": 24.0,
+                "bits_per_weight": 3.5},
+               {"preset": "w3g64", "method": "weight-qat", "lora_r": None, "tokens": 9, "ppl": 20.4},
+               {"preset": "w3g64", "method": "lora-topk-tail", "lora_r": 64, "tokens": 9, "ppl": 16.7,
+                "bits_per_weight": 3.5, "adapter_bits_per_weight": 2.9444},
+               {"preset": "w3g64", "method": "lora-topk-tail", "lora_r": 16, "tokens": 9, "ppl": 18.8},
+               {"preset": "w3g64", "method": "qat", "lora_r": None, "tokens": 9, "ppl": 30.0}]
+    bits = [recovery.shipped_bits(r, records) for r in records]
+    # Older records take their preset's measured bits, and adapter bits scaled by rank from a record that has them.
+    assert bits == pytest.approx([16.0, 3.5, 3.5, 6.4444, 3.5 + 2.9444 / 4, 3.5])
+    assert recovery.frontier([(3.5, 24.0), (3.5, 20.4), (4.24, 18.8), (6.44, 16.7), (6.0, 19.0), (4.5, 15.6)]) \
+        == [(3.5, 20.4), (4.24, 18.8), (4.5, 15.6)]
+    assert "| bits shipped |" in recovery.markdown_table([{**r, "budget": "b", "nll": 1.0, "nll_gap_nats": 0.0,
+                                                           "ppl_ratio": 1.0, "gap_recovered": 0.0,
+                                                           "gap_recovered_nats": 0.0, "kd_kl": 0.0, "kd_top1": 1.0,
+                                                           "wall_s": 0.0, "device": "cpu", "init": None}
+                                                          for r in records])
 
 
 def test_ppl_series_joins_budgets_of_one_method(recovery):
