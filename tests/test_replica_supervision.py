@@ -5,6 +5,7 @@ torch_xla.launch's, whose replicas die, hang, or wait on a peer that never comes
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import multiprocessing
 import os
 import subprocess
@@ -15,14 +16,15 @@ from pathlib import Path
 import pytest
 
 from qat_lora.runtime.distributed import WaitWatchdog
-from qat_lora.train.config import TrainConfig
-from qat_lora.train.launch import launch_replicas
 
 
 def _replica(index: int, fault: str, pids: str) -> None:
     """A replica of the fault plan: `dies` ends at once (exit 3), `hangs` never returns (stuck in its own work,
     no watchdog armed), `waits` waits on the others with a 1 s watchdog, as XlaBackend's rendezvous does."""
-    Path(pids, str(index)).write_text(str(os.getpid()))
+    from qat_lora.train.launch import record_replica
+
+    record_replica(index)  # as _xla_rank does: the supervisor watches it
+    Path(pids, str(index)).write_text(str(os.getpid()))  # and the test, after the run
     if fault == "dies":
         time.sleep(0.5)
         os._exit(3)
@@ -49,14 +51,29 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
+# The launcher runs in a process of its own, as `qat-lora train` does.
+LAUNCHER = """
+import json, sys, time
+from tests.test_replica_supervision import _pool
+from qat_lora.train.config import TrainConfig
+from qat_lora.train.launch import launch_replicas
+
+logs, started = [], time.monotonic()
+code = launch_replicas(TrainConfig(model="m", num_chips=2, dist_timeout_s=1.0), logs.append,
+                       launch=_pool(sys.argv[1].split(","), sys.argv[2]))
+print(json.dumps({"code": code, "logs": logs, "seconds": time.monotonic() - started}))
+"""
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("faults", [["hangs", "dies"], ["waits", "hangs"]], ids=["a replica dies", "a peer hangs"])
 def test_a_dead_or_hung_replica_ends_every_replica_with_one_line(tmp_path, faults):
-    logs: list[str] = []
-    started = time.monotonic()
-    code = launch_replicas(TrainConfig(model="m", num_chips=2, dist_timeout_s=1.0), logs.append,
-                           launch=_pool(faults, tmp_path))
-    assert code == 1 and time.monotonic() - started < 60
+    out = subprocess.run([sys.executable, "-c", LAUNCHER, ",".join(faults), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["code"] == 1 and result["seconds"] < 60, result
+    logs = result["logs"]
     assert "a torch_xla replica died or gave up waiting for the others" in logs[-1] and "--resume auto" in logs[-1]
     deadline = time.monotonic() + 10
     pids = [int(p.read_text()) for p in tmp_path.iterdir()]

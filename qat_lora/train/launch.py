@@ -18,9 +18,15 @@ The generic machinery (local ranks, TPU chip visibility, the SPMD backend) is ru
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 from qat_lora.runtime import device as dev
@@ -82,11 +88,16 @@ def check_local_devices(cfg: TrainConfig) -> None:
                          "fewer")
 
 
+REPLICA_DIR_ENV = "QAT_LORA_REPLICA_DIR"  # where each torch_xla replica records its pid for the supervisor
+
+
 def launch_replicas(cfg: TrainConfig, log: Callable[[str], None] = print, launch: Callable | None = None) -> int:
-    """torch_xla replicas, one per chip (`--parallel processes` on a TPU host), supervised: a replica that dies
-    breaks torch_xla.launch's process pool, which terminates the others, and one whose wait on the others
-    outlasts --dist-timeout-s ends itself (distributed.WaitWatchdog), so a dead or hung replica ends the run
-    with one line and exit 1 instead of leaving the others waiting. `launch` stands in for torch_xla.launch."""
+    """torch_xla replicas, one per chip (`--parallel processes` on a TPU host), supervised, so a dead or hung
+    replica ends the run with one line and exit 1 instead of leaving the others waiting: one whose wait on the
+    others outlasts --dist-timeout-s ends itself (distributed.WaitWatchdog), and once any replica has ended this
+    process kills the rest (`_supervise`), which breaks torch_xla.launch's process pool. The pool alone does not
+    notice reliably: a worker it spawned after its manager thread began waiting is not watched (Python 3.11,
+    measured: the dead replica stays a zombie while the others hang). `launch` stands in for torch_xla.launch."""
     from concurrent.futures.process import BrokenProcessPool
 
     if launch is None:
@@ -95,13 +106,48 @@ def launch_replicas(cfg: TrainConfig, log: Callable[[str], None] = print, launch
         launch = torch_xla.launch
     log(f"starting torch_xla replicas for {cfg.num_chips} chips (each wait on the others bounded by "
         f"--dist-timeout-s {cfg.dist_timeout_s:g})")
+    pids = Path(tempfile.mkdtemp(prefix="qat-lora-replicas-"))
+    os.environ[REPLICA_DIR_ENV] = str(pids)  # the spawned replicas inherit it
+    done = threading.Event()
+    supervisor = threading.Thread(target=_supervise, args=(pids, done), name="qat-lora-replicas", daemon=True)
+    supervisor.start()
     try:
         launch(_xla_rank, args=(cfg,))
     except BrokenProcessPool:
         log("a torch_xla replica died or gave up waiting for the others (its line is above); every replica is "
             "stopped: rerun the same command with --resume auto to continue from the last checkpoint")
         return 1
+    finally:
+        done.set()
+        os.environ.pop(REPLICA_DIR_ENV, None)
+        shutil.rmtree(pids, ignore_errors=True)
     return 0
+
+
+def record_replica(index: int) -> None:
+    """Called first in each replica: its pid, for the supervisor of launch_replicas (nothing outside one)."""
+    if os.environ.get(REPLICA_DIR_ENV):
+        Path(os.environ[REPLICA_DIR_ENV], str(index)).write_text(str(os.getpid()))
+
+
+def _supervise(pids: Path, done: threading.Event) -> None:
+    """Once a recorded replica has ended while the run goes on (a replica returns only when all do), kill the rest."""
+    while not done.wait(0.5):
+        recorded = [int(text) for text in (p.read_text().strip() for p in pids.iterdir()) if text.isdigit()]
+        if any(not _running(pid) for pid in recorded):
+            for pid in recorded:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped by the pool, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _xla_rank(index: int, cfg: TrainConfig) -> None:
@@ -109,6 +155,7 @@ def _xla_rank(index: int, cfg: TrainConfig) -> None:
     from qat_lora.runtime.distributed import XlaBackend
     from qat_lora.train.trainer import train
 
+    record_replica(index)
     backend = XlaBackend(cfg.dist_timeout_s)
     if backend.world_size != cfg.num_chips:  # torch_xla.launch starts one replica per visible chip
         raise ValueError(f"--num-chips {cfg.num_chips}: torch_xla started {backend.world_size} replicas (one per "
