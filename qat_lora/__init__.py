@@ -4,6 +4,8 @@ The stages, in the order data flows (docs/ARCHITECTURE.md): `data` (text and mod
 teacher's targets, once) -> `quant` (`quantize_`: the fake-quantised base) -> `train` (`add_recovery_lora_`, the
 KD trainer) -> `export`; `runtime` under all of them, `commands` (the CLI) above. The names below are the public
 API, each imported from its stage on first use, so `import qat_lora` loads no model code, torch_xla or PEFT.
+The five calls of a recovery, each a function of a config dataclass whose fields are its command's flags
+(docs/API.md): `build_cache`, `quantize`, `recover`, `evaluate`, `export_student`.
 """
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ _PUBLIC = {
     "KDLossConfig": "qat_lora.train.loss", "kd_loss": "qat_lora.train.loss",
     "StudentSpec": "qat_lora.train.config", "TrainConfig": "qat_lora.train.config",
     "build_student": "qat_lora.train.student", "load_student": "qat_lora.train.student",
+    "perplexity": "qat_lora.train.metrics", "kd_metrics": "qat_lora.train.metrics",
+    # the commands as functions: config dataclass in, report dict out (docs/API.md)
+    "QuantizeConfig": "qat_lora.commands.config", "quantize": "qat_lora.commands.quantize",
+    "RecoverConfig": "qat_lora.commands.config", "recover": "qat_lora.commands.recover",
+    "EvalConfig": "qat_lora.commands.config", "evaluate": "qat_lora.commands.evaluate",
+    # export_student, not export: qat_lora.export is the stage's package
+    "ExportConfig": "qat_lora.export.config", "export_student": "qat_lora.export.exporter",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qat_lora.data.text import TextDecoding
-from qat_lora.runtime.options import DeviceInput, refuse_unused_flags, require_positive, require_seed
+from qat_lora.runtime.options import (DeviceInput, paths_as_flags, refuse_unused_flags, require_positive,
+                                      require_seed)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class GenerateDataConfig(TextInput, DeviceInput):
                                                              "generate.json) instead of continuing it"})
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         if not self.model:
             raise ValueError("--model is required: the teacher that writes the corpus")
         if bool(self.data) == bool(self.prompts):

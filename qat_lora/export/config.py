@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from qat_lora.data import models
-from qat_lora.runtime.options import (MAX_LR, refuse_unused_flags, require_at_most, require_non_negative,
-                                      require_positive)
+from qat_lora.runtime.options import (MAX_LR, paths_as_flags, refuse_unused_flags, require_at_most,
+                                      require_non_negative, require_positive)
 from qat_lora.train.config import StudentSpec, check_adapter
 from qat_lora.quant.fake_quant import get_preset
 
@@ -75,6 +75,7 @@ class ExportConfig(StudentSpec):
     overwrite: bool = field(default=False, metadata={"help": "replace an earlier export in --out"})
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         if self.format not in EXPORT_FORMATS:
             raise ValueError(f"--format {self.format}: use one of {', '.join(EXPORT_FORMATS)}")
         if self.resnap_steps and not (self.merge_adapter and self.cache):

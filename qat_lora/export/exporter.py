@@ -325,12 +325,17 @@ def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Cal
     return student, {"preset": cfg.resnap_preset, "steps": cfg.resnap_steps, "quantizer": summary["quantizer"]}
 
 
-def export(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
+def export_student(cfg: ExportConfig, log: Callable[[str], None] = print) -> dict:
     """Build the student (with its adapter), carry the adapter (beside or merged), write the artefacts;
     returns the report (also out/export.json) and logs what each folder holds and how to load it."""
     _check_out(cfg)
     with FolderLock(cfg.out):
         return _export(cfg, log)
+
+
+# `qat-lora export`'s entry (commands/cli.py). The public name is qat_lora.export_student: `qat_lora.export` is the
+# stage's package, which replaces a function of that name on the package as soon as one of its modules loads.
+export = export_student
 
 
 def _export(cfg: ExportConfig, log: Callable[[str], None]) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -133,6 +134,21 @@ class PrecisionInput:
             require_matmul_precision(self.matmul_precision)
         if hasattr(self, "precision"):
             require_precision(self.precision)
+
+
+def paths_as_flags(cfg) -> None:
+    """Paths given from Python as the strings the flags hold: a `Path` in a str field becomes its string, and one
+    path (str or Path) in a list field (`data="corpus/"`) the one-element list the CLI would collect. Configs are
+    written to JSON and compared with their records as strings, and a bare string would be read as a list of
+    one-letter paths."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.type in ("str", str) and isinstance(value, os.PathLike):
+            setattr(cfg, f.name, os.fspath(value))
+        elif f.type in ("list[str]", list[str]) and isinstance(value, (str, os.PathLike)):
+            setattr(cfg, f.name, [os.fspath(value)])
+        elif f.type in ("list[str]", list[str]) and isinstance(value, (list, tuple)):
+            setattr(cfg, f.name, [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value])
 
 
 # Typed flags. A flag left at its default and one typed with the default's value look the same in a config, yet

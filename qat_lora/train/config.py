@@ -13,8 +13,8 @@ from pathlib import Path
 
 from qat_lora.data import models
 from qat_lora.runtime.options import (MAX_LR, MAX_LR_RATIO, MAX_TEMPERATURE, DeviceInput, PrecisionInput,
-                                      refuse_unused_flags, require_at_most, require_non_negative, require_positive,
-                                      require_seed)
+                                      paths_as_flags, refuse_unused_flags, require_at_most, require_non_negative,
+                                      require_positive, require_seed)
 from qat_lora.runtime.files import read_record
 from qat_lora.train.loss import KDLossConfig
 from qat_lora.quant.config import check_quantizer_file
@@ -61,6 +61,7 @@ class StudentSpec:
                                                           "(default with an adapter: the one it was trained over)"})
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         if not self.model:
             raise ValueError("--model is required: the full-precision model folder, .gguf file or hub name")
         self.quant_from_run()  # every command: a quantiser or adapter is refused under another preset than its run's
@@ -178,6 +179,7 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
     overwrite: bool = field(default=False, metadata={"help": "replace an existing run in --out"})
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         if self.loss_chunk_size < -1:
             raise ValueError(f"--loss-chunk-size {self.loss_chunk_size}: must be -1 (auto), 0 (full logits) or a "
                              "number of positions")
