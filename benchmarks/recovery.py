@@ -95,7 +95,7 @@ from qat_lora.train.metrics import kd_metrics, perplexity
 from qat_lora.commands.quantize import quantize
 from qat_lora.quant.fake_quant import PRESETS, get_preset, quant_config_dict, quantize_
 from qat_lora.runtime.runs import read_metrics
-from qat_lora.quant.state import bits_per_weight, quantizer_state_dict
+from qat_lora.quant.state import FULL_PRECISION_BITS, bits_per_weight, quantizer_state_dict
 from qat_lora.train.student import adapter_bits_per_weight, build_student, load_student, resolve_attn
 from qat_lora.train.trainer import train
 
@@ -664,7 +664,6 @@ def _init_cell(record: dict) -> str:
 
 # Methods whose student ships as its trained base alone: the quantiser's parameters or the weights on the grid.
 BASE_ONLY_METHODS = ("teacher", "qat", "weight-qat")
-TEACHER_BITS = 16.0  # the teacher ships as bf16
 
 
 def shipped_bits(record: dict, records: list[dict]) -> float | None:
@@ -672,7 +671,7 @@ def shipped_bits(record: dict, records: list[dict]) -> float | None:
     before these fields were kept take the base bits a record of the same preset measured, and adapter bits
     scaled from a record of these (an adapter's parameters grow linearly with its rank on one model)."""
     if record["preset"] is None:
-        return TEACHER_BITS
+        return FULL_PRECISION_BITS
     base = record.get("bits_per_weight") or next((r["bits_per_weight"] for r in records if r["preset"] ==
                                                   record["preset"] and r.get("bits_per_weight")), None)
     if base is None or not record.get("lora_r") or record["method"] in BASE_ONLY_METHODS:
@@ -887,7 +886,7 @@ def plot_frontier(plt, records: list[dict], path: Path) -> Path:
                         color=colour)
     teacher = next((r["ppl"] for r in records if r["method"] == "teacher"), None)
     if teacher:
-        ax.axhline(teacher, color="black", linewidth=0.8, label=f"teacher {teacher:.2f} ({TEACHER_BITS:g} bits)")
+        ax.axhline(teacher, color="black", linewidth=0.8, label=f"teacher {teacher:.2f} ({FULL_PRECISION_BITS:g} bits)")
     ax.set(xlabel="bits per weight shipped (base + unmerged adapter)", ylabel="held-out ppl (log)", yscale="log",
            title="perplexity against the bits the model ships (rows above the frontiers' range are off the chart)")
     if top:

@@ -9,6 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
+
+def pytest_configure(config) -> None:
+    """The suite never reads or writes the user's caches: the asset folder and the persistent XLA compile cache
+    (`--xla-cache-dir auto`) of every command a test runs, in process or not, lie in one fresh folder per run, so
+    a graph compiled by an earlier run cannot change this run's compile counts."""
+    import os
+    import tempfile
+
+    config.qat_lora_cache_home = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="qat-lora-tests-cache-")
+    os.environ.pop("QAT_LORA_HOME", None)
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    shutil.rmtree(getattr(config, "qat_lora_cache_home", ""), ignore_errors=True)
+
 def load_benchmark(script: str, name: str | None = None):
     """benchmarks/<script>.py as a module. benchmarks/ is scripts, not a package: the file itself is loaded (no
     sys.path change leaks into other tests), registered before it runs, as dataclasses look their module up."""
@@ -59,15 +76,15 @@ def make_tokenizer(text: str, split: str = "gpt-2"):
 
 
 def make_model_dir(path: Path, tokenizer, arch: str = "llama", seed: int = 0, init_std: float = 0.08,
-                   head_dim: int = 16) -> Path:
+                   head_dim: int = 16, tie_word_embeddings: bool = False) -> Path:
     """Save a 2-layer random model (Llama, Qwen2 with q/k/v biases, or Qwen3 with `head_dim`) and its tokenizer as a
-    transformers folder."""
+    transformers folder (`tie_word_embeddings`: the head is the embedding, as in SmolLM2's GGUF)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   initializer_range=init_std, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_word_embeddings)
     config = {"qwen3": lambda: Qwen3Config(head_dim=head_dim, **common), "qwen2": lambda: Qwen2Config(**common),
               "llama": lambda: LlamaConfig(**common)}[arch]()
     torch.manual_seed(seed)

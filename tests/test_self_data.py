@@ -13,7 +13,7 @@ from qat_lora.data.config import GenerateDataConfig
 from qat_lora.data.text import list_text_files
 from qat_lora.data.teacher_text import corpus_prompts, generate_data
 
-QUIET = dict(log=lambda _: None)
+QUIET = dict(log=lambda _: None, progress=False)
 
 
 @pytest.fixture(autouse=True)
@@ -34,8 +34,9 @@ def _records(folder) -> list[dict]:
     return [json.loads(line) for p in sorted(folder.glob("part-*.jsonl")) for line in p.read_text().splitlines()]
 
 
-def test_corpus_prefixes_are_continued_within_the_budget(teacher_dir, corpus_dir, tokenizer, tmp_path):
-    report = generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "self"), **QUIET)
+def test_corpus_prefixes_are_continued_within_the_budget(teacher_dir, corpus_dir, tokenizer, tmp_path, capsys):
+    report = generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "self"), log=lambda _: None)
+    assert "generate-data: 100%" in capsys.readouterr().err  # the bar over the token budget, with its ETA
     records = _records(tmp_path / "self")
     assert report["samples"] == len(records) and report["shards"] == 4 and report["complete"]
     assert all(0 <= r["tokens"] <= 20 for r in records)

@@ -7,7 +7,7 @@
     qat-lora train --model M --cache caches/kd --quant w3g64 --out runs/w3g64 [--num-chips N]
     qat-lora eval --model M --quant w3g64 --adapter runs/w3g64/adapter --text wiki.txt --cache caches/kd
     qat-lora export --model M --quant w3g64 --adapter runs/w3g64/adapter --out exports/w3g64
-    qat-lora demo                              # all of the above on SmolLM2, with a small budget
+    qat-lora demo [--budget quick]             # all of the above on SmolLM2, with a small budget
 
 The CLI is the only place that reads argv: below it every component takes a config dataclass (its stage's config.py),
 and each command's module is imported only when that command runs (`qat-lora plot` loads no trainer).
@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import typing
+import warnings
 from typing import Callable, Sequence
 
 
@@ -201,7 +202,8 @@ def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = 
         ("export", "write the low-bit student (packed, dense, gguf, compressed-tensors) and its adapter", ExportConfig,
          _run_command("qat_lora.export.exporter:export")),
         ("generate", "one streamed reply of the student (or any export) to --prompt", GenerateConfig, _generate),
-        ("demo", "the whole chain on SmolLM2 with a small budget", DemoConfig,
+        ("demo", "the whole chain on a small teacher (about 12 min on a 2-core CPU; --budget quick: under 5), ending "
+                 "with the table and the commands that chat with and export the result", DemoConfig,
          _run_command("qat_lora.commands.demo:run_demo")),
     ]
     for name, help_text, cls, func in commands:
@@ -245,6 +247,9 @@ _OS_FIXES = {errno.ENOSPC: "the disk is full: free space or write elsewhere",
 def main(argv: Sequence[str] | None = None, script: str | None = None, defaults: dict | None = None) -> int:
     """Run one command; `script` names the scripts/ file that called it (its --help and errors say so) and
     `defaults` overrides flag defaults for that script (train_qat.py: --preset qat)."""
+    from qat_lora.runtime.host import prefer_passive_omp_wait_
+
+    prefer_passive_omp_wait_()  # before build_parser imports torch, whose OpenMP runtime reads it once
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser((argv[0], script) if script and argv else None, defaults)
     args = parser.parse_args(argv)
@@ -260,6 +265,10 @@ def main(argv: Sequence[str] | None = None, script: str | None = None, defaults:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
+            # PEFT reads transformers 5's deprecated `is_gradient_checkpointing` each time it wraps a model: a
+            # FutureWarning about the libraries' internals that the user can do nothing about.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
         code = args.func(args)
     except KeyboardInterrupt:  # Ctrl-C while a model loads or a command runs (train saves on its own signal handler)
         print(prefix + "interrupted (Ctrl-C)", file=sys.stderr)

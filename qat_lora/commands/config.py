@@ -1,19 +1,20 @@
 """The configs of the commands that are recipes over the stages (flags 1:1): `eval`, `quantize` (the init
-stage), `recover` (init -> QAT -> LoRA), `generate` / `chat` and `demo`, with the rates recover probes and the
-demo uses. The stages' own configs: data/config.py, cache/config.py, train/config.py (StudentSpec, TrainConfig),
-export/config.py.
+stage), `recover` (init -> optional QAT -> LoRA), `generate` / `chat` and `demo` (with its budgets), with the
+rates recover probes and the demo uses. The stages' own configs: data/config.py, cache/config.py, train/config.py
+(StudentSpec, TrainConfig), export/config.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field
 from types import SimpleNamespace
 
 from qat_lora.data.config import TextInput
 from qat_lora.data.models import model_context
 from qat_lora.data.text import list_text_files
 from qat_lora.runtime.files import check_out_apart_from_inputs
-from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check_output_file, refuse_unused_flags,
-                                      require_at_most, require_non_negative, require_positive, require_seed)
+from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check_output_file, paths_as_flags,
+                                      refuse_unused_flags, require_at_most, require_non_negative, require_positive,
+                                      require_seed)
 from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.cache.encodings import encoding_from_flags
 from qat_lora.quant.fake_quant import get_preset
@@ -38,6 +39,7 @@ class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
     json_out: str = field(default="", metadata={"help": "write the results here as JSON"})
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         if not self.text and not self.cache:
             raise ValueError("eval: pass --text (perplexity) and/or --cache (KD metrics)")
         require_positive(self, "seq_len", "batch_size")
@@ -104,6 +106,7 @@ class QuantizeConfig(StudentSpec, DeviceInput):
                                            "(GPTQ's column loop: on CUDA there, else on the host)")
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         self.check_device()
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
@@ -157,8 +160,8 @@ def lora_probe_rates(lora_r: int) -> list[float]:
 
 @dataclass
 class RecoverConfig(StudentSpec, DeviceInput):
-    """The whole recovery recipe: init (-> block-wise) -> end-to-end QAT -> recovery LoRA, each stage in its own
-    sub-folder."""
+    """The whole recovery recipe: init (-> block-wise) -> end-to-end QAT (off by default) -> recovery LoRA, each
+    stage in its own sub-folder."""
 
     cache: str = field(default="caches/kd", metadata={"help": "KD cache: targets for every stage, and calibration"})
     out: str = field(default="runs/recover", metadata={"help": "run folder: init/, qat/, lora/ and recover.json"})
@@ -203,6 +206,7 @@ class RecoverConfig(StudentSpec, DeviceInput):
     device: str = DeviceInput.device_field()
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         if self.qat not in QAT_STAGES:
@@ -265,6 +269,7 @@ class GenerateConfig(StudentSpec, DeviceInput):
     device: str = DeviceInput.device_field(" (XLA: static KV cache)")
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         require_positive(self, "max_new_tokens")
         require_non_negative(self, "temperature", finite=True)
         if not 0.0 < self.top_p <= 1.0:
@@ -292,6 +297,24 @@ def default_lora_lr(teacher: str, lora_r: int) -> float:
     return rate_at_rank(teacher_asset(teacher).lora_lr, lora_r)
 
 
+# What --budget sets, for each flag left at 0. default: about 12 minutes on an idle 2-core CPU (README); quick:
+# under 5 minutes there, a first look whose recovered perplexity is worse (docs/BENCHMARKS.md, the demo). GPTQ
+# and the calibrated start cost about 2 s per decoder layer whatever the calibration size: the steps, cache and
+# eval tokens are what a budget trims.
+DEMO_BUDGETS = {"default": {"cache_tokens": 56_000, "calib_sequences": 128, "max_steps": 50, "eval_tokens": 8_192},
+                "quick": {"cache_tokens": 13_000, "calib_sequences": 32, "max_steps": 12, "eval_tokens": 2_048}}
+# Each budget's default --lr as a fraction of the teacher's rate, which was measured over 50 steps: 15 steps from
+# SmolLM2's calibrated w3g64 start at its 2e-3 ended worse than their GPTQ init (56.0 ppl against 31.8), at 5e-4
+# they reached 25.1 (docs/BENCHMARKS.md, the demo).
+DEMO_LR_FACTORS = {"default": 1.0, "quick": 0.25}
+
+
+def _budget_field(name: str, help_text: str) -> Field:
+    """A flag whose 0 means --budget's value; its help names every budget's."""
+    values = ", ".join(f"{budget[name]:,} {key}" for key, budget in DEMO_BUDGETS.items())
+    return field(default=0, metadata={"help": f"{help_text} (0 = --budget's: {values})"})
+
+
 @dataclass
 class DemoConfig(DeviceInput):
     assets_dir: str = field(default="", metadata={"help": "asset folder (default: ~/.cache/qat-lora/assets)"})
@@ -303,27 +326,37 @@ class DemoConfig(DeviceInput):
     encoding: str = field(default="sampled", metadata={"help": "cache targets: sampled (RS-KD) or topk (+ tail)"})
     num_samples: int = field(default=64, metadata={"help": "sampled: teacher draws per position"})
     top_k: int = field(default=64, metadata={"help": "topk: teacher log-probs kept per position"})
-    cache_tokens: int = field(default=56_000, metadata={"help": "teacher tokens to cache (train + held-out)"})
-    eval_tokens: int = field(default=8_192, metadata={"help": "Wikipedia tokens for perplexity"})
-    max_steps: int = field(default=50, metadata={"help": "optimizer steps (one pass over the cached tokens)"})
+    budget: str = field(default="default", metadata={"help": "the time the demo takes: default (about 12 min on a "
+                                                             "2-core CPU) or quick (under 5 min, a coarser result); "
+                                                             "the four flags below override it"})
+    cache_tokens: int = _budget_field("cache_tokens", "teacher tokens to cache (train + held-out)")
+    eval_tokens: int = _budget_field("eval_tokens", "Wikipedia tokens for perplexity")
+    max_steps: int = _budget_field("max_steps", "optimizer steps (one pass over the cached tokens)")
     batch_size: int = field(default=4, metadata={"help": "sequences per step"})
     lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = the rate measured best for --teacher "
                                                       "at rank 16, times 16 / --lora-r: 2e-3 for smollm2-135m, "
-                                                      "5e-4 for gemma3-270m)"})
+                                                      "5e-4 for gemma3-270m; a quarter of it for --budget quick's "
+                                                      "fewer steps)"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     init: str = field(default="gptq", metadata={"help": "data-aware init before the LoRA: gptq, act or none "
                                                         "(docs/RESULTS.md: w3g64 GPTQ + LoRA 21.9 ppl, RTN + LoRA 25.0)"})
-    calib_sequences: int = field(default=128, metadata={"help": "calibration sequences for --init and --lora-init"})
+    calib_sequences: int = _budget_field("calib_sequences", "calibration sequences for --init and --lora-init")
     lora_init: str = field(default="calibrated", metadata={
         "help": "LoRA start: calibrated (each adapter the best rank-r correction of its layer's quantisation error; "
                 "docs/RESULTS.md: w3g64 21.1 ppl against 22.1 from zero) or zero"})
     device: str = DeviceInput.device_field()
 
     def __post_init__(self) -> None:
+        paths_as_flags(self)
         from qat_lora.data.teachers import teacher_asset
 
         teacher_asset(self.teacher)  # an unknown name is refused before anything downloads
         get_preset(self.quant)
+        if self.budget not in DEMO_BUDGETS:
+            raise ValueError(f"--budget {self.budget!r}: choose one of {', '.join(DEMO_BUDGETS)}")
+        for name, value in DEMO_BUDGETS[self.budget].items():  # resolved here, so demo.json records what ran
+            if getattr(self, name) == 0:
+                setattr(self, name, value)
         if self.init not in DATA_INITS:
             raise ValueError(f"--init {self.init!r}: choose one of {', '.join(DATA_INITS)}")
         check_lora_init(self.lora_init, folder_allowed=False)
@@ -332,7 +365,7 @@ class DemoConfig(DeviceInput):
         require_positive(self, "seq_len", "top_k", "cache_tokens", "eval_tokens", "max_steps", "batch_size",
                          "lora_r", "calib_sequences")
         if self.lr == 0:  # resolved here, so demo.json and the run's name carry the rate used
-            self.lr = default_lora_lr(self.teacher, self.lora_r)
+            self.lr = float(f"{default_lora_lr(self.teacher, self.lora_r) * DEMO_LR_FACTORS[self.budget]:.3g}")
         require_positive(self, "lr", finite=True)
         require_at_most(self, lr=MAX_LR)
         self.check_device()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
+from typing import Callable
 
 from qat_lora.runtime import device as dev
 from qat_lora.runtime import precision, xla
@@ -21,7 +22,7 @@ from qat_lora.quant.state import bits_per_weight
 from qat_lora.train.student import adapter_bits_per_weight, load_student, resolve_attn
 
 
-def evaluate(cfg: EvalConfig, log=print) -> dict:
+def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> dict:
     """Run the metrics `cfg` asks for; returns (and optionally writes) a JSON-ready dict. EvalConfig has checked
     the flags, --text, --adapter, --quantizer and --json-out already."""
     cache = KDCache(cfg.cache) if cfg.cache else None  # a bad cache fails before the model loads, too

@@ -24,6 +24,7 @@ import torch
 from qat_lora.data import models
 from qat_lora.runtime import device as dev
 from qat_lora.cache.reader import KDCache
+from qat_lora.quant.blocks import layer_progress
 from qat_lora.quant.blockwise import reconstruct_blocks_
 from qat_lora.quant.calibration import activation_importance, calibration_batches
 from qat_lora.commands.config import QuantizeConfig
@@ -73,8 +74,9 @@ def _check_out(cfg: QuantizeConfig) -> Path:
     return out
 
 
-def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
+def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print, progress: bool = False) -> dict:
     """Build the initialised student and write its state; returns the report (also `out/quantize.json`).
+    `progress`: a bar over GPTQ's decoder layers on stderr (for a recipe that silences the per-layer lines).
 
     Raises:
         ValueError: an existing init in --out without --overwrite, a cache from another tokenizer, too few
@@ -82,10 +84,10 @@ def quantize(cfg: QuantizeConfig, log: Callable[[str], None] = print) -> dict:
     """
     out = _check_out(cfg)
     with FolderLock(out):
-        return _quantize(cfg, out, log)
+        return _quantize(cfg, out, log, progress)
 
 
-def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None]) -> dict:
+def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None], progress: bool) -> dict:
     calibrated = cfg.init != "none" or cfg.blockwise_steps > 0
     batches = calibration_batches(cfg.cache, cfg.calib_sequences, cfg.batch_size) if calibrated else []
     model = models.load_causal_lm(cfg.model)
@@ -110,7 +112,9 @@ def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None]) -> dic
     else:
         quantize_(model, preset)
     if cfg.init == "gptq":
-        report["gptq"] = gptq_(model, batches, damp=cfg.damp, act_order=cfg.act_order, device=device, log=log)
+        with layer_progress(model, "gptq init", disable=not progress) as above:
+            report["gptq"] = gptq_(model, batches, damp=cfg.damp, act_order=cfg.act_order, device=device,
+                                   log=above(log))
     if cfg.blockwise_steps:
         # Every init above is deterministic, so a rerun after a stop rebuilds the same start and the blocks
         # saved under blocks/ load instead of training again (their progress records that start's fingerprint).

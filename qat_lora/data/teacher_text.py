@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from qat_lora.data import text as data
 
@@ -110,9 +111,9 @@ def _sample(model, tokenizer, prompt_ids: list[list[int]], cfg: GenerateDataConf
 
 
 def _sample_shard(cfg: GenerateDataConfig, model, tokenizer, prompts: list[str], chat: bool, device: torch.device,
-                  index: int, budget: int) -> tuple[list[str], list[int]]:
+                  index: int, budget: int, bar: tqdm) -> tuple[list[str], list[int]]:
     """Shard `index`'s jsonl lines and generated tokens per sample; it stops at the first batch that meets the
-    remaining `budget` (the last shard is then a prefix of a full one)."""
+    remaining `budget` (the last shard is then a prefix of a full one). `bar` counts each batch's tokens."""
     first = index * cfg.shard_samples
     shard_prompts = [prompts[i % len(prompts)] for i in range(first, first + cfg.shard_samples)]
     lines, counts = [], []
@@ -126,6 +127,7 @@ def _sample_shard(cfg: GenerateDataConfig, model, tokenizer, prompts: list[str],
             record = _record(prompt, tokenizer.decode(ids, skip_special_tokens=True), chat)
             lines.append(json.dumps({**record, "tokens": len(ids)}, ensure_ascii=False))
             counts.append(len(ids))
+            bar.update(min(len(ids), bar.total - bar.n))  # the budget's last batch overshoots it
     return lines, counts
 
 
@@ -217,8 +219,9 @@ def _replace_corpus(out: Path) -> None:
             path.unlink()
 
 
-def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -> dict:
-    """Write the corpus (resuming a stopped run) and return its report (also `out/generate.json`).
+def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print, progress: bool = True) -> dict:
+    """Write the corpus (resuming a stopped run) and return its report (also `out/generate.json`); `progress`: a
+    bar over the token budget on stderr.
 
     Raises:
         ValueError: an --out that is a file, lies in or holds an input, holds other files or another corpus, or
@@ -228,10 +231,11 @@ def generate_data(cfg: GenerateDataConfig, log: Callable[[str], None] = print) -
     _check_out_path(out, cfg)
     with FolderLock(out, "--out"):  # a second generate-data into this folder fails at once instead of mixing
         saved = _check_out(out, cfg)
-        return _generate(cfg, out, saved, log)
+        return _generate(cfg, out, saved, log, progress)
 
 
-def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Callable[[str], None]) -> dict:
+def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Callable[[str], None],
+              progress: bool) -> dict:
     tokenizer = models.load_tokenizer(cfg.model)
     # Corpus prompts for a few times the samples a full-length budget needs; an early EOS (short answers)
     # needs more samples, and the prompts then cycle with fresh seeds.
@@ -253,20 +257,23 @@ def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Calla
     # Shards of shard_samples samples until the token budget is met: shard i's prompts (samples i*n ..) and
     # seeds depend only on i, so a rerun skips the finished shards and continues exactly where it stopped.
     started, tokens, samples, index = time.perf_counter(), 0, 0, 0
-    while tokens < cfg.tokens:
-        path = out / SHARD.format(index=index)
-        if path.exists():
-            done = _shard_tokens(path)
-            tokens, samples, index = tokens + sum(done), samples + len(done), index + 1
-            continue
-        lines, counts = _sample_shard(cfg, model, tokenizer, prompts, chat, device, index, cfg.tokens - tokens)
-        tokens += sum(counts)
-        if not any(counts):
-            raise ValueError(f"--model {cfg.model}: every sample of {path.name} ended at once (EOS first); use "
-                             "other prompts, --raw-prompts or a higher --temperature")
-        atomic_write_text(path, "\n".join(lines) + "\n")  # a full disk: no half shard, one line naming it
-        samples, index = samples + len(lines), index + 1
-        log(f"{path.name}: {len(lines)} samples, {tokens:,} tokens so far ({time.perf_counter() - started:.0f} s)")
+    with tqdm(total=cfg.tokens, unit="tok", unit_scale=True, desc="generate-data", disable=not progress) as bar:
+        while tokens < cfg.tokens:
+            path = out / SHARD.format(index=index)
+            if path.exists():  # written before a stop: counted, not sampled again
+                done = _shard_tokens(path)
+                tokens, samples, index = tokens + sum(done), samples + len(done), index + 1
+                bar.update(min(sum(done), bar.total - bar.n))
+                continue
+            bar.set_postfix_str(path.name)
+            lines, counts = _sample_shard(cfg, model, tokenizer, prompts, chat, device, index, cfg.tokens - tokens,
+                                          bar)
+            tokens += sum(counts)
+            if not any(counts):
+                raise ValueError(f"--model {cfg.model}: every sample of {path.name} ended at once (EOS first); use "
+                                 "other prompts, --raw-prompts or a higher --temperature")
+            atomic_write_text(path, "\n".join(lines) + "\n")  # a full disk: no half shard, one line naming it
+            samples, index = samples + len(lines), index + 1
     report = {**owner_stamp("generate-data"), "config": asdict(cfg), **inputs, "complete": True, "prompts": len(prompts),
               "chat": chat, "samples": samples, "shards": index, "generated_tokens": tokens,
               "seconds": round(time.perf_counter() - started, 1)}

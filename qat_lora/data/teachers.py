@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from qat_lora.runtime import xla
 from qat_lora.runtime.files import save_pretrained
 
 TEACHER_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -168,6 +169,7 @@ def convert_gguf_teacher(gguf: Path, out_dir: Path, log: Callable[[str], None] =
     """Convert a GGUF causal LM into an fp32 safetensors transformers directory, and check it."""
     import torch
 
+    xla.keep_torch_xla_unloaded()  # transformers' GGUF loading imports accelerate, which imports torch_xla
     log(f"converting {gguf.name} to {out_dir} (fp32)")
     model, tok = _load_gguf(gguf)
     bad = {str(p.dtype) for p in model.state_dict().values() if p.dtype != torch.float32}

@@ -18,11 +18,13 @@ frequencies; Qwen2/Qwen3/Mistral with a sliding window likewise. Each layer's ow
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 
 class _StopForward(Exception):
@@ -81,6 +83,43 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         raise ValueError(f"{type(base).__name__}: no decoder layers found (expected model.model.layers or "
                          "get_decoder().layers, as in Llama / Qwen2 / Qwen3)")
     return list(layers)
+
+
+@contextmanager
+def layer_progress(model: nn.Module, desc: str,
+                   disable: bool = False) -> Iterator[Callable[[Callable[[str], None]], Callable[[str], None]]]:
+    """A bar with an ETA over `model`'s decoder layers while a pass inside the block runs them one at a time
+    (GPTQ, the calibrated LoRA start): a layer counts as done when the next one starts computing, so the pass
+    itself needs no hook. Each layer's first sub-module is watched, not the layer: capture_block_inputs runs
+    the layers as recorders that skip their sub-modules, which must not count.
+
+    Yields:
+        `above(log)`: `log` with its lines printed above the bar instead of into it (the pass's own log).
+    """
+    layers = decoder_layers(model)
+    bar = tqdm(total=len(layers), desc=desc, unit="layer", disable=disable)
+
+    def starts(index: int):
+        def hook(module, args) -> None:
+            if index > bar.n:
+                bar.update(index - bar.n)
+        return hook
+
+    handles = [] if disable else [next(layer.children(), layer).register_forward_pre_hook(starts(index))
+                                  for index, layer in enumerate(layers)]
+    def above(log: Callable[[str], None]) -> Callable[[str], None]:
+        def write(line: str) -> None:
+            with tqdm.external_write_mode():
+                log(line)
+        return log if disable else write
+
+    try:
+        yield above
+        bar.update(bar.total - bar.n)
+    finally:
+        for handle in handles:
+            handle.remove()
+        bar.close()
 
 
 def _device(module: nn.Module) -> torch.device:

@@ -104,6 +104,11 @@ def layer_bits(layer: FakeQuantLinear) -> int:
     return layer.weight.numel() * layer.cfg.bits + 16 * sum(p.numel() for p in layer.quant_parameters().values())
 
 
+# What a full-precision model's weights ship at (bf16 / fp16), whatever dtype it was evaluated in: the reference
+# every quantised row's bits per weight stands beside (the demo's table, README's headline, the results).
+FULL_PRECISION_BITS = 16.0
+
+
 def quantised_weight_count(model: torch.nn.Module) -> int:
     """Weights of the quantised linears (at least 1: the denominator of every bits-per-weight figure)."""
     return max(1, sum(m.weight.numel() for m in quantised_layers(model).values()))

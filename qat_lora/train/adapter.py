@@ -63,6 +63,30 @@ ADAPTER_RECORD, BASE_KEY = "qat_lora.json", "base"
 LORA_ONLY_PRESET = "recovery-lora"
 
 
+ADAPTER_CARD = "README.md"  # PEFT writes its empty model-card template here, naming the fp model as the base
+
+
+def adapter_card(model: str, base: dict | None, rank: int, parameters: int) -> str:
+    """The adapter folder's README.md: what the adapter is and the quantised base it belongs to (`base`:
+    base_record's entry; None: not recorded, as for an export's adapter beside its exported base), in place of
+    PEFT's template, which calls the full-precision `model` its base: over that model alone it answers garbage."""
+    intro = (f"# Recovery LoRA adapter (qat-lora)\n\nA rank-{rank} LoRA adapter ({parameters:,} parameters) trained "
+             "by knowledge distillation to recover the quality of a low-bit model; over the full-precision model "
+             "alone it makes that model worse, not better. ")
+    if base is None:
+        return intro + ("Its base is the quantised model exported beside it (packed/, dense/ or gguf/): "
+                        "`PeftModel.from_pretrained(<that base, loaded>, <this folder>)`.\n")
+    quantizer = base["quantizer"]
+    flags = (f"--model {model} --quant {base['quant']}" + (f" --quantizer {quantizer['absolute']}" if quantizer
+                                                          else "") + " --adapter <this folder>")
+    return intro + (f"Its base is `{model}` quantised with the `{base['quant']}` preset and "
+                    + (f"the quantiser `{quantizer['absolute']}` (sha256 `{quantizer['sha256']}`)" if quantizer
+                       else "the preset's own init (no quantiser file)")
+                    + f"; `{ADAPTER_RECORD}` records it, and qat-lora refuses another.\n\n```bash\nqat-lora chat "
+                    f"{flags}\nqat-lora export {flags} --format dense --out exports/student   # transformers + "
+                    "this adapter\n```\n")
+
+
 @functools.lru_cache(maxsize=32)
 def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
     return sha256_file(path)

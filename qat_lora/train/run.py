@@ -27,6 +27,7 @@ from qat_lora.runtime.files import (atomic_write_json, check_out_apart_from_inpu
                                     require_folder)
 from qat_lora.train.lora import lora_start_
 from qat_lora.train.optim import build_optimizer, lr_factor
+from qat_lora.quant.blocks import layer_progress
 from qat_lora.quant.fake_quant import get_preset, quant_config_dict
 from qat_lora.quant.state import has_codes
 from qat_lora.train.student import (build_student, enable_activation_checkpointing_, make_trainable_, resolve_attn,
@@ -148,9 +149,13 @@ def _lora_start_(cfg: TrainConfig, model: torch.nn.Module, device: torch.device,
     master, one decoder layer at a time on the device (not on every rank's host), then every rank takes the
     master's A and B; a folder's adapters are read by each rank (a copy)."""
     calibrated = cfg.lora_init == "calibrated"
+    if calibrated and backend.is_master:
+        log(f"calibrated LoRA start: each adapter := the best rank-{cfg.lora_r} correction of its layer's "
+            f"quantisation error on {cfg.lora_init_sequences} cached sequences, one decoder layer at a time")
     if backend.is_master or not calibrated:
-        lora_start_(model, cfg.lora_init, cfg.model, cfg.cache, cfg.lora_init_sequences, cfg.batch_size,
-                    log if backend.is_master else lambda _: None, device=device)
+        with layer_progress(model, "calibrated LoRA start", disable=not (calibrated and backend.is_master)) as above:
+            lora_start_(model, cfg.lora_init, cfg.model, cfg.cache, cfg.lora_init_sequences, cfg.batch_size,
+                        above(log) if backend.is_master else lambda _: None, device=device)
     if calibrated and backend.world_size > 1:
         with torch.no_grad():
             for name, p in model.named_parameters():

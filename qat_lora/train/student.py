@@ -21,9 +21,10 @@ import torch
 from qat_lora.runtime import device as dev
 
 from qat_lora.data import models
-from qat_lora.train.adapter import ADAPTER_RECORD, BASE_KEY, base_record, check_made_from, resolve_adapter_base
+from qat_lora.train.adapter import (ADAPTER_CARD, ADAPTER_RECORD, BASE_KEY, adapter_card, base_record, check_made_from,
+                                   resolve_adapter_base)
 from qat_lora.train.config import TRAIN_PRESETS, StudentSpec
-from qat_lora.runtime.files import apply_umask, atomic_write_json, owner_stamp
+from qat_lora.runtime.files import apply_umask, atomic_write_json, atomic_write_text, owner_stamp
 from qat_lora.train.lora import add_recovery_lora_, load_recovery_lora
 from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset, latent_weights, quantize_, quantizer_parameters
 from qat_lora.quant.state import (MODEL_SIGNATURE_KEY, load_quantizer_state_, quantised_weight_count,
@@ -159,6 +160,9 @@ def save_adapter(model, path: Path, model_signature: str | None = None, base: di
               **({BASE_KEY: base} if base else {})}
     with writing(path, tmp):  # a full disk: no adapter.tmp left, one line naming the folder
         model.save_pretrained(str(tmp), state_dict=state)
+        peft_config = model.peft_config[model.active_adapter]
+        atomic_write_text(tmp / ADAPTER_CARD, adapter_card(peft_config.base_model_name_or_path, base, peft_config.r,
+                                                           sum(t.numel() for t in state.values())))
         if record:
             atomic_write_json(tmp / ADAPTER_RECORD, {**owner_stamp("adapter"), **record})
         apply_umask(tmp)  # PEFT saves through safetensors, whose files are 0600 whatever the umask

@@ -158,15 +158,19 @@ def test_an_adapter_written_before_it_recorded_its_base_falls_back_to_its_run(gp
     assert code == 2 and len(err) == 1 and "was trained over another quantiser" in err[0], err
 
 
-def test_generate_from_the_demos_recorded_command_answers_as_with_its_quantiser(gptq_run, teacher_dir, capsys):
-    from qat_lora.commands.demo import _student_paths
+def test_generate_from_the_demos_recorded_command_answers_as_with_its_quantiser(gptq_run, teacher_dir, tmp_path,
+                                                                                capsys):
+    from qat_lora.commands.config import DemoConfig
+    from qat_lora.commands.demo import student_record
 
-    student = _student_paths(str(teacher_dir), "w2g32", str(gptq_run["init"]), str(gptq_run["adapter"]))
+    student = student_record(DemoConfig(quant="w2g32", work_dir=str(tmp_path)), str(teacher_dir),
+                             str(gptq_run["init"]), str(gptq_run["adapter"]), "", "")
     assert student["quantizer"] == str(gptq_run["init"])  # demo.json named no quantiser under the adapter
-    recorded = shlex.split(student["generate"].replace("<text>", "'the king sees'"))[1:]
+    recorded = shlex.split(student["commands"]["generate"])[1:]
     code, _, with_quantizer = run_cli([*recorded, "--raw", "--max-new-tokens", "6"], capsys)
     assert code == 0
-    typed = ["generate", "--model", teacher_dir, "--adapter", gptq_run["adapter"], "--prompt", "the king sees",
+    prompt = recorded[recorded.index("--prompt") + 1]
+    typed = ["generate", "--model", teacher_dir, "--adapter", gptq_run["adapter"], "--prompt", prompt,
              "--raw", "--max-new-tokens", "6"]  # what a user types after the demo: no --quant, no --quantizer
     code, err, left_out = run_cli(typed, capsys)
     assert code == 0 and left_out == with_quantizer and sum(INFO in line for line in err) == 1, err
