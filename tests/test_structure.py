@@ -1,6 +1,6 @@
 """The package's shape (docs/ARCHITECTURE.md): subpackages by stage whose imports point down the stages, no
 import cycle, small modules and folders, only the CLI reads argv, the plot command loads no trainer, and the
-README documents every flag."""
+docs/GUIDE.md documents every flag."""
 from __future__ import annotations
 
 import ast
@@ -226,8 +226,9 @@ def _flags(command: str) -> set[str]:
 
 @pytest.mark.parametrize("command", ["generate-data", "build-cache", "quantize", "recover", "train", "eval", "export",
                                      "demo"])
-def test_readme_documents_every_flag(command):
-    readme = (ROOT / "README.md").read_text()
-    documented = set(re.findall(r"--[a-z0-9][a-z0-9-]*", readme))
+def test_the_guide_documents_every_flag(command):
+    # docs/CLI.md lists every flag by construction (docs/generate.py); the guide says what each is for.
+    guide = (ROOT / "docs" / "GUIDE.md").read_text()
+    documented = set(re.findall(r"--[a-z0-9][a-z0-9-]*", guide))
     missing = sorted(_flags(command) - documented)
-    assert not missing, f"README.md does not mention {command} flag(s) {missing}"
+    assert not missing, f"docs/GUIDE.md does not mention {command} flag(s) {missing}"
