@@ -42,7 +42,7 @@ fi
 rm -rf "$WORK"
 mkdir -p "$WORK"
 
-step "cache: one builder per chip ($DEVICE, --num-chips $CHIPS), then the merge"
+step "cache: every chip at once ($DEVICE, --num-chips $CHIPS: one SPMD process on XLA)"
 "${QAT[@]}" build-cache --teacher "$MODEL" --data "$DATA" --out "$WORK/cache" --seq-len "$SEQ_LEN" \
   --max-tokens $((SEQ_LEN * BATCH * 16)) --device "$DEVICE" --num-chips "$CHIPS"
 

