@@ -1,4 +1,5 @@
-"""Issue 14 on XLA:CPU: a multi-chip cache build (one builder per device, merged by the launcher) and FSDP
+"""Issue 14 on XLA:CPU: a multi-chip cache build with `--parallel processes` (one builder per device, merged by the
+launcher; `--parallel auto` builds in one SPMD process instead, tests/test_cache_pipeline.py) and FSDP
 parameter sharding over 4 devices (SPMD), each run in its own subprocess (DESIGN §6: the device count, SPMD mode
 and compile counters are fixed per process).
 
@@ -48,7 +49,8 @@ def test_a_two_chip_xla_build_equals_the_one_process_build(tmp_path, teacher_dir
     flags = ("--teacher", str(teacher_dir), "--data", str(corpus_dir), "--seq-len", "32", "--encoding", "topk", "--top-k", "8",
              "--value-bits", "32", "--max-tokens", "1500", "--batch-size", "8", "--shard-sequences", "16")
     out = tmp_path / "two"
-    result = _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2")
+    result = _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2",
+                  "--parallel", "processes")
     assert "building on 2 local processes" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["world_size"] == 2
@@ -66,9 +68,11 @@ def test_a_two_chip_xla_build_equals_the_one_process_build(tmp_path, teacher_dir
     assert (a["topk_ids"] == b["topk_ids"]).float().mean() > 0.999  # only near-ties may swap
     # Rerunning with --resume is a successful no-op (a preemption loop may); --overwrite rebuilds it, the folder
     # cleared once, by the launcher, before any builder starts.
-    again = _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2", "--resume")
+    again = _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2", "--parallel",
+                 "processes", "--resume")
     assert again.stdout.count("this build is already complete") == 2
-    _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2", "--overwrite")
+    _cli("build-cache", *flags, "--out", str(out), "--device", "xla", "--num-chips", "2", "--parallel", "processes",
+         "--overwrite")
     assert json.loads((out / "manifest.json").read_text())["splits"] == manifest["splits"]
 
 
