@@ -44,9 +44,9 @@ def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, cor
     assert (tmp_path / "demo" / "cache-L32-n16-6000" / "manifest.json").is_file()
     assert 0 < teacher["kd_kl"] < min(r["kd_kl"] for r in (ptq, gptq, recovered))
     assert saved["gap_recovered"] == result["gap_recovered"]
-    # Bits per weight: the fp32 teacher; w2g32's 2-bit codes + fp16 scale and zero per 32 weights = 3; the adapter
-    # shipped unmerged adds its fp16 entries per quantised weight.
-    assert teacher["bits_per_weight"] == 32 and ptq["bits_per_weight"] == gptq["bits_per_weight"] == 3.0
+    # Bits per weight as shipped: the teacher in bf16 (it runs in fp32); w2g32's 2-bit codes + fp16 scale and zero
+    # per 32 weights = 3; the adapter shipped unmerged adds its fp16 entries per quantised weight.
+    assert teacher["bits_per_weight"] == 16 and ptq["bits_per_weight"] == gptq["bits_per_weight"] == 3.0
     assert recovered["bits_per_weight"] == 3.0 + recovered["adapter_bits_per_weight"] > 3.0
     # Every path the student needs, recorded and there; the printed commands parse, pass their configs' checks,
     # and generate answers.
@@ -60,7 +60,7 @@ def test_demo_runs_the_whole_chain_and_writes_results(tmp_path, teacher_dir, cor
     out, err = capsys.readouterr()
     assert all(f"[{i}/5] " in out for i in range(1, 6))  # one line per stage, saying what runs and why
     assert all(bar in err for bar in ("gptq init", "calibrated LoRA start", "train", "perplexity", "KD metrics"))
-    assert "| model | bits/weight | Wikipedia ppl | KD KL | top-1 |" in out and "| teacher (smollm2-135m) | 32 |" in out
+    assert "| model | bits/weight | Wikipedia ppl | KD KL | top-1 |" in out and "| teacher (smollm2-135m) | 16 |" in out
     last = out.rstrip().splitlines()[-6:]  # where the student is, then the commands that use it
     assert last[0].startswith("the recovered student: w2g32 over ") and str(init) in last[0]
     assert [line.split(":")[0].strip() for line in last[1:4]] == ["chat", "evaluate", "llama.cpp"]
@@ -118,7 +118,7 @@ def test_the_report_says_how_to_get_the_figure_when_matplotlib_is_missing(tmp_pa
     import qat_lora.commands.plot as plot
 
     monkeypatch.setattr(plot, "_pyplot", lambda: (_ for _ in ()).throw(ValueError("plot: needs matplotlib")))
-    table = [["model", "bits/weight"], ["teacher", "32"]]
+    table = [["model", "bits/weight"], ["teacher", "16"]]
     assert demo._figure(table, str(tmp_path), tmp_path) is None
     result = {"gap_recovered": 0.5, "wall_s": 60.0, "train": {"wall_s": 30.0, "tokens": 1_000}, "figure": None,
               "student": demo.student_record(DemoConfig(work_dir=str(tmp_path)), "/m", "", "/a", "/c", "/t")}
