@@ -177,3 +177,12 @@ def test_the_calibrated_start_of_a_multi_rank_run_is_the_masters_on_every_rank(t
     run_module._lora_start_(cfg, model, torch.device("cpu"), Rank1(), lambda _: None)
     assert computed == []  # rank 1 computes nothing: one SVD per layer in the whole run, not one per rank
     assert all(torch.all(p == 0.5) for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_wrapping_a_student_in_lora_warns_about_nothing_a_user_can_fix(teacher_dir):
+    # PEFT reads a property transformers 5 deprecated: its FutureWarning was the last line a demo user saw.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        add_recovery_lora_(_student(teacher_dir), r=2, alpha=4.0)

@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import typing
-import warnings
 from typing import Callable, Sequence
 
 
@@ -265,10 +264,6 @@ def main(argv: Sequence[str] | None = None, script: str | None = None, defaults:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # our own tqdm bars say what runs; per-file loading bars are noise
-            # PEFT reads transformers 5's deprecated `is_gradient_checkpointing` each time it wraps a model: a
-            # FutureWarning about the libraries' internals that the user can do nothing about.
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
-                                    category=FutureWarning)
         code = args.func(args)
     except KeyboardInterrupt:  # Ctrl-C while a model loads or a command runs (train saves on its own signal handler)
         print(prefix + "interrupted (Ctrl-C)", file=sys.stderr)

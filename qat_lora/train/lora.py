@@ -8,10 +8,12 @@ gradients flow through the frozen quantised weights to earlier adapters.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -49,7 +51,8 @@ def add_recovery_lora_(model: nn.Module, r: int = 16, alpha: float = 32.0, dropo
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=names if clash else leaves,
                         bias="none",
                         task_type="CAUSAL_LM")
-    return get_peft_model(model, register_quant_lora(config))
+    with _quiet_peft():
+        return get_peft_model(model, register_quant_lora(config))
 
 
 def load_recovery_lora(model: nn.Module, adapter_dir: str | Path):
@@ -67,7 +70,8 @@ def load_recovery_lora(model: nn.Module, adapter_dir: str | Path):
 
     try:
         config = register_quant_lora(LoraConfig.from_pretrained(str(adapter_dir)))
-        return PeftModel.from_pretrained(model, str(adapter_dir), config=config)
+        with _quiet_peft():
+            return PeftModel.from_pretrained(model, str(adapter_dir), config=config)
     except SafetensorError as e:
         raise ValueError(f"--adapter {adapter_dir}: its weights are damaged or truncated ({e}); use the run's intact "
                          "adapter/ or a checkpoint's") from None
@@ -78,6 +82,15 @@ def load_recovery_lora(model: nn.Module, adapter_dir: str | Path):
         detail = mismatch.removeprefix("size mismatch for ").rstrip(".")
         raise ValueError(f"--adapter {adapter_dir}: made for another model ({detail}); pass the --model its run "
                          "trained") from None
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """PEFT reads transformers 5's deprecated `is_gradient_checkpointing` each time it wraps a model: a FutureWarning
+    about the libraries' internals that a user can do nothing about, silenced here only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def _lora_layers(layer: nn.Module) -> dict[str, nn.Module]:
