@@ -26,6 +26,27 @@ def pytest_unconfigure(config) -> None:
 
     shutil.rmtree(getattr(config, "qat_lora_cache_home", ""), ignore_errors=True)
 
+def recorded_figures() -> set[str]:
+    """Every number in docs/results/**/*.json, as written with 1 to 4 decimals: what a figure the docs quote must be
+    (tests/test_docs.py for README, tests/test_results_trace.py for docs/RESULTS.md)."""
+    import json
+
+    values: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            values.update(f"{node:.{digits}f}" for digits in range(1, 5))
+
+    for path in (Path(__file__).resolve().parents[1] / "docs" / "results").rglob("*.json"):
+        walk(json.loads(path.read_text()))
+    return values
+
+
 def load_benchmark(script: str, name: str | None = None):
     """benchmarks/<script>.py as a module. benchmarks/ is scripts, not a package: the file itself is loaded (no
     sys.path change leaks into other tests), registered before it runs, as dataclasses look their module up."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_tokenizer, synthetic_text
+from tests.conftest import make_tokenizer, recorded_figures, synthetic_text
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -42,28 +42,10 @@ def test_generated_docs_are_current():
     assert out.returncode == 0, out.stderr
 
 
-def _json_values() -> set[str]:
-    """Every number in docs/results/**/*.json, as written with 1 to 4 decimals."""
-    values: set[str] = set()
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, list):
-            for item in node:
-                walk(item)
-        elif isinstance(node, (int, float)) and not isinstance(node, bool):
-            values.update(f"{node:.{digits}f}" for digits in range(1, 5))
-
-    for path in (ROOT / "docs" / "results").rglob("*.json"):
-        walk(json.loads(path.read_text()))
-    return values
-
-
 def test_every_figure_readme_quotes_is_a_recorded_one():
     figures = re.findall(r"(?<![\w.])(\d+\.\d{2,})(?![\w.])", README.read_text())
     assert figures, "the walker found no figure"
-    unbacked = sorted(set(figures) - _json_values())
+    unbacked = sorted(set(figures) - recorded_figures())
     assert not unbacked, f"README.md quotes figures no docs/results/*.json record holds: {unbacked}"
 
 

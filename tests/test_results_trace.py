@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from tests.conftest import recorded_figures
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 PAGE = ROOT / "docs" / "RESULTS.md"
@@ -149,24 +151,6 @@ DERIVED: list[tuple[str, str, Callable[[dict], float]]] = [
 ]
 
 
-def _json_values() -> set[str]:
-    """Every number in docs/results/**/*.json, as written with 1 to 4 decimals."""
-    values: set[str] = set()
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, list):
-            for item in node:
-                walk(item)
-        elif isinstance(node, (int, float)) and not isinstance(node, bool):
-            values.update(f"{node:.{digits}f}" for digits in range(1, 5))
-
-    for path in RESULTS.rglob("*.json"):
-        walk(json.loads(path.read_text()))
-    return values
-
-
 def _blocks(text: str) -> list[tuple[int, int]]:
     """(start, end) offsets of each paragraph or table: text between blank lines."""
     return [(m.start(), m.end()) for m in re.finditer(r"(?:^.*\S.*(?:\n|$))+", text, re.M)]
@@ -185,7 +169,7 @@ def test_every_figure_results_quotes_is_traced_to_a_record():
     text = PAGE.read_text()
     figures = list(FIGURE.finditer(text))
     assert len(figures) > 1000, "the walker found too few figures"
-    records, values = _records(), _json_values()
+    records, values = _records(), recorded_figures()
     blocks = _blocks(text)
 
     allowed: dict[int, str] = {}  # figure offset -> reason
