@@ -142,7 +142,7 @@ def emulate_llama_cpp_arithmetic_(student) -> None:
             p.copy_(snap_fp16(p))
     for layer in student.modules():
         if isinstance(layer, FakeQuantLinear):
-            block = 256 if layer.cfg.scheme == "kquant" else 32
+            block = layer.quantizer.gguf_block
             layer.register_forward_pre_hook(lambda m, args, b=block: (q8(args[0], b), *args[1:]))
 
 

@@ -16,7 +16,7 @@ from qat_lora.export.exporter import load_packed, save_packed  # noqa: E402
 from qat_lora.export.gguf.writer import GGUF_FILE, pack_blocks, save_gguf  # noqa: E402
 from qat_lora.data.models import load_causal_lm  # noqa: E402
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, get_preset, quantize_  # noqa: E402
-from qat_lora.quant.grid import fake_quantize  # noqa: E402
+from qat_lora.quant.quantizer import quantizer_for  # noqa: E402
 from qat_lora.quant.inits import snap_fp16  # noqa: E402
 
 GGML_PRESETS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
@@ -232,10 +232,11 @@ def test_float_zero_domain_gradients_and_none_zero_stays_zero():
     # outside 1; d/ds = round(v) - v inside, the clamped code outside.
     torch.manual_seed(3)
     w = torch.randn(4, 16, dtype=torch.float64)
-    scale = (w.abs().reshape(4, 2, 8).amax(-1) / 5).requires_grad_()
+    scale = snap_fp16(w.abs().reshape(4, 2, 8).amax(-1) / 5).requires_grad_()  # fp16: the grid's own precision
     offset = torch.full((4, 2), -0.3, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(4, 16, dtype=torch.float64)
-    (fake_quantize(w, scale, offset, 0, 7, "float") * upstream).sum().backward()
+    grid = quantizer_for(QuantConfig(bits=3, group_size=8, zero_domain="float"))
+    (grid.fake_quantize(w, {"scale": scale, "zero": offset}) * upstream).sum().backward()
     s, m = scale.detach().unsqueeze(-1), snap_fp16(offset.detach()).unsqueeze(-1)
     v = (w.reshape(4, 2, 8) - m) / s
     inside = ((torch.round(v) >= 0) & (torch.round(v) <= 7)).double()

@@ -17,7 +17,7 @@ from qat_lora.quant import blocks
 from qat_lora.quant import inits as quant_init
 from qat_lora.quant.gptq import _group_now, gptq_, gptq_quantize
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, quantize_
-from qat_lora.quant.grid import dequantize
+from qat_lora.quant.quantizer import quantizer_for
 
 OUT, IN, N = 32, 128, 512
 INIT_STD = 0.08
@@ -116,7 +116,7 @@ def test_gptq_result_is_a_fake_quant_state(cfg, act_order):
     layer = _load(cfg, result)
     assert torch.equal(layer.quantized_weight(), result["weight"])
     codes = layer.codes()
-    assert torch.equal(dequantize(codes, cfg, g, layer.scale, zero=layer.zero), result["weight"])
+    assert torch.equal(quantizer_for(cfg, g).dequantize(codes, {"scale": layer.scale, "zero": layer.zero}), result["weight"])
     assert len(torch.unique(codes)) <= 2**cfg.bits
 
 
@@ -129,12 +129,12 @@ def test_gptq_lut_keeps_codebook_and_beats_nearest_rounding(codebook, act_order)
         layer.weight.copy_(w)
     layer.init_quantizer_()
     nearest = layer.quantized_weight().detach().clone()
-    result = gptq_quantize(w, h, cfg, 32, scale=layer.scale, codebook=layer.codebook, act_order=act_order)
+    result = gptq_quantize(w, h, cfg, 32, params=layer.quant_parameters(), act_order=act_order)
     assert torch.equal(result["codebook"], layer.codebook) and torch.equal(result["scale"], layer.scale)
     assert _out_err(x, w, result["weight"]) < _out_err(x, w, nearest)
     loaded = _load(cfg, result)
     assert torch.equal(loaded.quantized_weight(), result["weight"])
-    assert torch.equal(dequantize(loaded.codes(), cfg, 32, loaded.scale, codebook=loaded.codebook), result["weight"])
+    assert torch.equal(quantizer_for(cfg, 32).dequantize(loaded.codes(), {"scale": loaded.scale, "codebook": loaded.codebook}), result["weight"])
 
 
 @pytest.mark.parametrize("block_size", [8, 24, 48])

@@ -8,7 +8,7 @@ from torch import nn
 
 from qat_lora.quant import inits as quant_init
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig
-from qat_lora.quant.grid import dequantize
+from qat_lora.quant.quantizer import quantizer_for
 
 
 def _heavy_tailed(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -109,7 +109,7 @@ def test_fake_quant_linear_with_hqq_init_is_on_grid_and_round_trips():
     codes = layer.codes()
     assert codes.dtype == torch.uint8 and int(codes.max()) < 2**cfg.bits
     parts = {k: p.detach().half() for k, p in layer.quant_parameters().items()}  # what the export stores
-    assert torch.equal(dequantize(codes, cfg, layer.group_size, **parts), wq)
+    assert torch.equal(quantizer_for(cfg, layer.group_size).dequantize(codes, parts), wq)
     assert torch.equal(layer.dequantize_codes(codes).float(), wq)
     rtn = FakeQuantLinear.from_linear(linear, QuantConfig(bits=3, group_size=32, init="rtn"))
     w = linear.weight.detach()

@@ -268,8 +268,7 @@ def test_gptq_chooses_codes_on_the_fixed_kquant_grid_and_beats_its_rounding(pres
         layer.weight.copy_(w)
     layer.init_quantizer_()
     rounded = layer.quantized_weight().detach().clone()
-    grid = kquant.sub_block_grid(layer.cfg, **layer.quant_parameters())
-    result = gptq_quantize(w, 2.0 * x.T @ x / 512, layer.cfg, layer.group_size, kquant_grid=grid)
+    result = gptq_quantize(w, 2.0 * x.T @ x / 512, layer.cfg, layer.group_size, params=layer.quant_parameters())
     with torch.no_grad():
         layer.weight.copy_(result["weight"])
     assert torch.equal(layer.quantized_weight(), result["weight"])  # on the grid: training and export continue

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from qat_lora.data.models import load_causal_lm
 from qat_lora.quant.fake_quant import (PRESETS, FakeQuantLinear, QuantConfig, get_preset, latent_weights, quantize_,
                             quantized_weights_once_per_step, quantizer_parameters)
-from qat_lora.quant.grid import dequantize, effective_scale, fake_quantize
+from qat_lora.quant.quantizer import effective_scale, quantizer_for
 
 
 def _reference_fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch.Tensor:
@@ -63,10 +63,11 @@ def test_scales_and_zeros_receive_correct_gradients():
     # explicit formula in float64, and check the gradient is non-zero.
     torch.manual_seed(2)
     w = torch.randn(4, 16, dtype=torch.float64)
-    scale = (w.abs().reshape(4, 2, 8).amax(-1) / 3).requires_grad_()
+    scale = quant_init.snap_fp16(w.abs().reshape(4, 2, 8).amax(-1) / 3).requires_grad_()  # fp16: the grid's own precision
     zero = torch.full((4, 2), 4.0, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(4, 16, dtype=torch.float64)
-    (fake_quantize(w, scale, zero, 0, 7) * upstream).sum().backward()
+    grid = quantizer_for(QuantConfig(bits=3, group_size=8))
+    (grid.fake_quantize(w, {"scale": scale, "zero": zero}) * upstream).sum().backward()
     s = scale.detach().unsqueeze(-1)
     wg = w.reshape(4, 2, 8)
     q = torch.round(wg / s) + 4.0
@@ -146,7 +147,7 @@ def test_codes_in_range_and_dequantize_equals_fake_quant_exactly(case):
     assert codes.dtype == torch.uint8 and codes.shape == layer.weight.shape
     assert int(codes.max()) < 2**cfg.bits
     parts = {k: p.detach().half() for k, p in layer.quant_parameters().items()}  # what the export stores
-    assert torch.equal(dequantize(codes, cfg, layer.group_size, **parts), layer.quantized_weight())
+    assert torch.equal(quantizer_for(cfg, layer.group_size).dequantize(codes, parts), layer.quantized_weight())
     if not cfg.scale_rank:  # low-rank scales vary per element, so only the codes are on a 2^b grid
         assert len(torch.unique(layer.quantized_weight().reshape(4, -1, layer.group_size)[0, 0])) <= 2**cfg.bits
 
@@ -335,7 +336,7 @@ def test_a_layer_on_its_grid_holds_the_codes_in_its_quantiser_gradient(case):
     params = {k: p.detach().clone().requires_grad_() for k, p in held.quant_parameters().items()}
     x = torch.randn(6, held.in_features, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     upstream = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
-    (x @ dequantize(codes, cfg, held.group_size, **params).double().T * upstream).sum().backward()
+    (x @ held.quantizer.dequantize(codes, params).double().T * upstream).sum().backward()
     for name, p in params.items():
         if name == "zero" and cfg.zero_domain == "int":  # shifting an integer zero shifts the codes: Wq is unchanged
             torch.testing.assert_close(getattr(held, name).grad, getattr(lsq, name).grad)
@@ -347,7 +348,7 @@ def test_fp16_snapping_is_exact_and_passes_gradients():
     with torch.no_grad():
         layer.scale.add_(1e-5)  # an update too small for fp16 accumulates in the fp32 parameter...
     snapped = layer.scale.detach().half().float()
-    expected = fake_quantize(layer.weight, snapped, layer.zero, layer.cfg.qmin, layer.cfg.qmax)
+    expected = layer.quantizer.fake_quantize(layer.weight, {"scale": snapped, "zero": layer.zero})
     assert torch.equal(layer.quantized_weight(), expected)  # ...but the forward uses the fp16 value
 
 
@@ -421,7 +422,7 @@ def test_wq_once_per_step_skips_frozen_quantizers():
 def test_lut_lookup_as_compare_and_sum_equals_searchsorted_including_ties(monkeypatch, per_group):
     # XLA has no searchsorted: the lookup counts the midpoints below each value instead (device.py picks which).
     import qat_lora.runtime.device as dev
-    from qat_lora.quant.grid import _lut_lookup
+    from qat_lora.quant.quantizer import _lut_lookup
 
     g = torch.Generator().manual_seed(0)
     shape = (6, 4, 16) if per_group else (1, 1, 16)

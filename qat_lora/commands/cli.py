@@ -150,17 +150,10 @@ def _cache_tool(args: argparse.Namespace) -> None:
 def _presets(args: argparse.Namespace) -> None:
     from qat_lora.quant.fake_quant import PRESETS
 
+    from qat_lora.quant.quantizer import quantizer_for
+
     for name, cfg in PRESETS.items():
-        group = "per-channel" if cfg.group_size is None else f"groups of {cfg.group_size}"
-        kind = (f"lut{cfg.bits} ({cfg.codebook} codebook)" if cfg.scheme == "lut" else
-                f"int{cfg.bits}, {'symmetric' if cfg.symmetric else 'asymmetric'}"
-                + ("" if cfg.zero_domain == "int" else f", zero point {cfg.zero_domain} (llama.cpp {name.upper()})"))
-        if cfg.kquant:  # rows not a multiple of 256 use the fallback preset (QuantConfig.for_width)
-            kt = cfg.kquant
-            kind, group = (f"llama.cpp {kt.ggml_type}, {kt.bits_per_weight} bits/weight",
-                           f"256-weight super-blocks of {kt.sub_block}-weight sub-blocks (rows not a multiple of "
-                           f"256: {kt.fallback})")
-        print(f"{name:8s} {kind}, {group}, init {cfg.init}")
+        print(f"{name:8s} {quantizer_for(cfg).describe()}, init {cfg.init}")
 
 
 def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = None) -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ from qat_lora.runtime.files import (FolderLock, atomic_write_json, check_out_apa
                     require_folder)
 from qat_lora.quant.gptq import gptq_
 from qat_lora.quant.fake_quant import get_preset, quant_config_dict, quantize_
+from qat_lora.quant.quantizer import quantizer_for
 from qat_lora.runtime.runs import INIT_REPORT_FILE, QUANTIZER_FILE, RunDiverged
 from qat_lora.quant.state import quantizer_state_dict, save_quantizer_state
 
@@ -100,7 +101,7 @@ def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None], progre
     report: dict = {**owner_stamp(INIT_KIND), "config": asdict(cfg), "inputs": inputs, "complete": False}
     atomic_write_json(out / REPORT_FILE, report)  # the record first: an interrupted init stays provably ours
     report = {**report, "complete": True, "quant_config": quant_config_dict(preset)}
-    if cfg.init != "none" and preset.scheme != "kquant" and preset.zero_domain != "float":
+    if cfg.init != "none" and quantizer_for(preset).clip_search:
         # Both data-aware inits fit group scales by the (weighted) clipping search, which is how the activation
         # weights act; under GPTQ min/max scales measured far worse (a probe on SmolLM2 w3g64, 32 calibration
         # sequences: 52.5 ppl vs 29.0; docs/RESULTS.md), as the error feedback widens each group's range.

@@ -27,6 +27,7 @@ from qat_lora.runtime.files import atomic_write_json, save_pretrained, save_safe
 from qat_lora.export.tensors import full_precision_tensors  # full-precision tensors, tied head skipped
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.config import QuantConfig
+from qat_lora.quant.quantizer import quantizer_for
 
 CT_DIR = "compressed-tensors"
 CT_BITS = (2, 4, 8)
@@ -35,16 +36,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 def unsupported_reason(cfg: QuantConfig) -> str | None:
     """Why a preset (or any of its per-module overrides) has no compressed-tensors layout, or None."""
-    for c in (cfg, *(o for _, o in cfg.overrides)):
-        if c.scheme != "int":
-            return f"a {c.scheme} codebook grid"
-        if c.scale_rank:
-            return "low-rank scales"
-        if c.zero_domain == "float":
-            return "a float zero offset (llama.cpp Q4_1)"
-        if c.bits not in CT_BITS:
-            return f"{c.bits}-bit codes (compressed-tensors layouts agree on 2, 4 and 8 bits only)"
-    return None
+    reasons = (quantizer_for(c).compressed_tensors_reason() for c in (cfg, *(o for _, o in cfg.overrides)))
+    return next((r for r in reasons if r), None)
 
 
 def check_supported(cfg: QuantConfig, preset: str) -> None:
@@ -77,7 +70,7 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
 def _layer_tensors(name: str, layer: FakeQuantLinear, dtype: torch.dtype) -> tuple[dict, bool]:
     """The compressed tensors of one linear and whether its grid is symmetric (no zero point stored)."""
     cfg, half = layer.cfg, 1 << (layer.cfg.bits - 1)
-    zero = torch.zeros_like(layer.scale) if cfg.zero_domain == "none" else torch.round(layer.zero.detach())
+    zero = layer.stored_quant_parameters()["zero"]  # the integer zero the grid uses (0 without a zero point)
     zp = (zero - cfg.qmin - half).to(torch.int64)  # [out, groups]
     if zp.min() < -half or zp.max() >= half:
         raise ValueError(f"--format compressed-tensors: {name} has zero points outside its {cfg.bits}-bit grid "

@@ -41,7 +41,6 @@ from qat_lora.train.student import build_student, load_student, save_adapter
 from qat_lora.train.trainer import train
 from qat_lora.quant.fake_quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, get_preset, quant_config_dict,
                     quant_config_from_dict, quantised_layers)
-from qat_lora.quant.grid import dequantize
 from qat_lora.quant.state import bits_per_weight, save_quantizer_state
 
 HEADER_KEY = "qat_lora"
@@ -174,7 +173,7 @@ def load_packed(path: str | Path) -> nn.Module:
                                 info["group_size"], dtype=old.weight.dtype)
         parts = {k: tensors.pop(f"{name}.{k}") for k in QUANT_TENSORS if f"{name}.{k}" in tensors}
         codes = unpack_codes(tensors.pop(f"{name}.qweight"), cfg.bits, layer.weight.numel())
-        wq = dequantize(codes.reshape(layer.out_features, layer.in_features), cfg, layer.group_size, **parts)
+        wq = layer.quantizer.dequantize(codes.reshape(layer.out_features, layer.in_features), parts)
         layer.weight = nn.Parameter(wq.to(layer.weight.dtype), requires_grad=False)
         for key, value in parts.items():
             setattr(layer, key, nn.Parameter(value.float(), requires_grad=False))

@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from qat_lora.quant import blocks
 from qat_lora.runtime.files import atomic_write_json, save_safetensors
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
-from qat_lora.quant.inits import SCALE_FLOOR, snap_fp16
+from qat_lora.quant.inits import SCALE_FLOOR
 from qat_lora.quant.state import CODES_KEY, quantizer_state_dict
 
 PROGRESS_FILE = "progress.json"
@@ -82,13 +82,6 @@ def _fake_quant_modules(layer: nn.Module) -> list[FakeQuantLinear]:
     return list(quantised_layers(layer).values())
 
 
-def _grid_name(module: FakeQuantLinear) -> str:
-    """e.g. int2-g64, lut3-g64-group: saved blocks are only resumed onto the same grids."""
-    cfg = module.cfg
-    return (f"{cfg.scheme}{cfg.bits}-g{module.group_size}" + ("-sym" if cfg.symmetric else "")
-            + ("-group" if cfg.scheme == "lut" and cfg.codebook == "group" else ""))
-
-
 def _fingerprint(modules: list[FakeQuantLinear]) -> str:
     """A digest of the student's starting point (latent weights + quantisers): saved blocks only resume onto the
     init they were reconstructed from (the same model, preset and data-aware init)."""
@@ -109,7 +102,7 @@ def _paired_layers(student: nn.Module, teacher: nn.Module) -> list[tuple[nn.Modu
     if not modules:
         raise ValueError("reconstruct_blocks_: the student's decoder blocks hold no FakeQuantLinear; run "
                          "quantize_(student, config) first")
-    if any((m.cfg.scheme == "int" and m.cfg.zero_domain != "int") or m.cfg.scheme == "kquant" for m in modules):
+    if not all(m.quantizer.reconstructable for m in modules):
         raise ValueError("reconstruct_blocks_: the llama.cpp presets (q4_0, q4_1, q8_0, q2_k, q3_k, q4_k, q6_k: fp16 "
                          "offsets, signed or two-level scales) are not supported yet; use --blockwise-steps 0 "
                          "with them")
@@ -162,11 +155,8 @@ def _snap_to_grid_(module: FakeQuantLinear) -> None:
     """Store exactly what the forward uses, leaving Wq unchanged: scales/codebooks := their fp16 values, zeros :=
     their integers (the forward rounds both), latent weight := Wq (so the codes export it exactly)."""
     codes = module.codes()
-    module.scale.copy_(snap_fp16(module.scale))
-    if module.cfg.scheme == "int":
-        module.zero.copy_(torch.round(module.zero))
-    else:
-        module.codebook.copy_(snap_fp16(module.codebook))
+    for name, value in module.quantizer.snapped_parameters(module.quant_parameters()).items():
+        getattr(module, name).copy_(value)
     module.weight.copy_(module.dequantize_codes(codes))
     module._cached_wq = None
 
@@ -251,7 +241,7 @@ def reconstruct_blocks_(student: nn.Module, teacher: nn.Module, calibration_batc
                 "seed": seed, "samples": list(ids.shape)}
     pairs = _paired_layers(student, teacher)
     modules = [m for layer, _ in pairs for m in _fake_quant_modules(layer)]
-    settings.update(grids=sorted({_grid_name(m) for m in modules}), start=_fingerprint(modules))
+    settings.update(grids=sorted({m.quantizer.name for m in modules}), start=_fingerprint(modules))
     done = _done_blocks(state_dir, settings)
     flags = [(p, p.requires_grad) for p in student.parameters()]
     student.eval().requires_grad_(False)

@@ -10,7 +10,6 @@ import fnmatch
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-SCHEMES = ("int", "lut", "kquant")
 INITS = ("rtn", "mse", "hqq", "ggml")
 CODEBOOKS = ("tensor", "group")
 # torchao's ZeroPointDomain: an integer zero z (Wq = s * (q - z)), a float offset m (Wq = s * q + m: llama.cpp's
@@ -47,6 +46,23 @@ KQUANT_TYPES: dict[int, KQuantType] = {  # by QuantConfig.bits
 
 
 @dataclass(frozen=True)
+class SchemeRules:
+    """What a config of one scheme may set (checked by QuantConfig); the grids themselves: quant/quantizer/"""
+
+    bits: tuple[int, ...]
+    zero_point: bool  # symmetric and zero_domain apply (a uniform grid); a codebook or K-quant has neither
+    kquant_types: dict[int, KQuantType] | None = None  # llama.cpp's two-level grids, by bits
+
+
+SCHEME_RULES: dict[str, SchemeRules] = {
+    "int": SchemeRules(bits=(2, 3, 4, 8), zero_point=True),
+    "lut": SchemeRules(bits=(2, 3, 4, 8), zero_point=False),
+    "kquant": SchemeRules(bits=tuple(KQUANT_TYPES), zero_point=False, kquant_types=KQUANT_TYPES),
+}
+SCHEMES = tuple(SCHEME_RULES)
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     """How linear weights are fake-quantised."""
 
@@ -72,24 +88,26 @@ class QuantConfig:
         default=(), metadata={"help": "(pattern, QuantConfig) pairs; the first match replaces this config"})
 
     def __post_init__(self) -> None:
-        if self.bits not in ((2, 3, 4, 6) if self.scheme == "kquant" else (2, 3, 4, 8)):
-            raise ValueError(f"QuantConfig.bits={self.bits}: use 2, 3, 4 or 8 (scheme kquant: 2, 3, 4 or 6)")
-        if self.group_size is not None and self.group_size <= 0:
-            raise ValueError(f"QuantConfig.group_size={self.group_size}: use a positive size or None (per-channel)")
         for name, value, choices in (("scheme", self.scheme, SCHEMES), ("init", self.init, INITS),
                                      ("codebook", self.codebook, CODEBOOKS), ("zero_domain", self.zero_domain, ZERO_DOMAINS)):
             if value not in choices:
                 raise ValueError(f"QuantConfig.{name}={value!r}: use one of {', '.join(choices)}")
-        if self.scheme == "lut" and self.symmetric:
-            raise ValueError("QuantConfig.symmetric=True with scheme='lut': a codebook has no zero point; drop symmetric")
-        if self.zero_domain != "int" and (self.scheme != "int" or self.symmetric != (self.zero_domain == "none")):
+        rules = SCHEME_RULES[self.scheme]
+        if self.bits not in rules.bits:
+            raise ValueError(f"QuantConfig.bits={self.bits}: use 2, 3, 4 or 8 (scheme kquant: 2, 3, 4 or 6)")
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"QuantConfig.group_size={self.group_size}: use a positive size or None (per-channel)")
+        if self.symmetric and not rules.zero_point and not rules.kquant_types:
+            raise ValueError(f"QuantConfig.symmetric=True with scheme={self.scheme!r}: a codebook has no zero point; "
+                             "drop symmetric")
+        if self.zero_domain != "int" and (not rules.zero_point or self.symmetric != (self.zero_domain == "none")):
             raise ValueError(f"QuantConfig.zero_domain={self.zero_domain!r}: 'none' needs scheme='int' and symmetric=True, "
                              "'float' scheme='int' and symmetric=False")
-        ggml_int = self.init == "ggml" and self.zero_domain == "int" and self.scheme != "kquant"
+        ggml_int = self.init == "ggml" and self.zero_domain == "int" and not rules.kquant_types
         if ggml_int or (self.zero_domain == "float" and self.init in ("mse", "hqq")):
             raise ValueError(f"QuantConfig.init={self.init!r} with zero_domain={self.zero_domain!r}: ggml needs zero_domain "
                              "float or none; zero_domain float takes init rtn or ggml (both min/max)")
-        if self.scheme == "kquant":
+        if rules.kquant_types:
             self._check_kquant()
         if self.scale_rank < 0:
             raise ValueError(f"QuantConfig.scale_rank={self.scale_rank}: use 0 (off) or a positive rank")
@@ -108,12 +126,13 @@ class QuantConfig:
     @property
     def kquant(self) -> KQuantType | None:
         """The K-quant grid of a kquant config, else None."""
-        return KQUANT_TYPES[self.bits] if self.scheme == "kquant" else None
+        types = SCHEME_RULES[self.scheme].kquant_types
+        return None if types is None else types[self.bits]
 
     def for_width(self, in_features: int) -> "QuantConfig":
         """The config a layer with `in_features` input columns uses: a K-quant one whose rows are not a multiple
         of 256 gets its 32-block fallback preset (KQuantType.fallback), so training and export share one grid."""
-        if self.scheme != "kquant" or in_features % QK_K == 0:
+        if self.kquant is None or in_features % QK_K == 0:
             return self
         return replace(get_preset(KQUANT_TYPES[self.bits].fallback), include=self.include, exclude=self.exclude)
 

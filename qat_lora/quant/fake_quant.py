@@ -26,7 +26,7 @@ from qat_lora.quant import kquant
 from qat_lora.quant import inits as quant_init
 from qat_lora.quant.config import (CODEBOOKS, INITS, PRESETS, SCHEMES, ZERO_DOMAINS, QuantConfig,  # noqa: F401 (re-exported)
                            get_preset, quant_config_dict, quant_config_from_dict)
-from qat_lora.quant.grid import dequantize, quantize_weight, weight_codes
+from qat_lora.quant.quantizer import quantizer_for
 
 
 QUANT_PARAMETERS = ("scale", "zero", "codebook", "scale_a", "scale_b", *kquant.PARAMETERS)  # every scheme's names
@@ -50,21 +50,10 @@ class FakeQuantLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.cfg = cfg
         self.group_size = group_size
-        groups = in_features // group_size
-        f32 = dict(device=device, dtype=torch.float32)
-        if cfg.scheme == "kquant":  # llama.cpp's two-level grids: kquant.py
-            for name, shape in kquant.parameter_shapes(cfg, out_features, in_features).items():
-                setattr(self, name, nn.Parameter(torch.zeros(*shape, **f32)))
-        else:
-            self.scale = nn.Parameter(torch.ones(out_features, groups, **f32))
-        if cfg.scheme == "int":
-            self.zero = nn.Parameter(torch.zeros(out_features, groups, **f32))
-        elif cfg.scheme == "lut":
-            shape = (out_features, groups) if cfg.codebook == "group" else (1, 1)
-            self.codebook = nn.Parameter(torch.zeros(*shape, 2**cfg.bits, **f32))
-        if cfg.scale_rank:
-            self.scale_a = nn.Parameter(torch.zeros(out_features, cfg.scale_rank, **f32))
-            self.scale_b = nn.Parameter(torch.zeros(cfg.scale_rank, in_features, **f32))
+        self.quantizer = quantizer_for(cfg, group_size)  # the grid: every scheme-specific step asks it
+        for name, shape in self.quantizer.parameter_shapes(out_features, in_features).items():
+            fill = torch.ones if name == "scale" else torch.zeros  # a unit group scale until init_quantizer_
+            setattr(self, name, nn.Parameter(fill(*shape, device=device, dtype=torch.float32)))
         self._cached_wq: torch.Tensor | None = None
         self._cache_key: tuple | None = None
         self._cache_storages: tuple[weakref.ref, ...] = ()  # the storages the cached Wq was computed from
@@ -107,43 +96,20 @@ class FakeQuantLinear(nn.Linear):
         """The quantiser parameters as the forward uses them, exact in fp16 (what an export stores): an integer
         zero rounded, a K-quant's sub-block scales and mins rounded and clamped to their ranges. A QAT-trained
         latent is fractional, and fp16(z) can round the other way than z within fp16 precision of k + 0.5."""
-        out = {k: p.detach() for k, p in self.quant_parameters().items()}
-        if self.cfg.scheme == "kquant":
-            stored = kquant.stored_parameters(self.cfg, **out)
-            out.update({"sub_scale": stored["sc"], **({"sub_min": stored["m"]} if "m" in stored else {})})
-        elif self.cfg.scheme == "int" and self.cfg.zero_domain == "int":
-            out["zero"] = torch.round(out["zero"])
-        return out
+        return self.quantizer.stored_parameters(self.quant_parameters())
 
     @torch.no_grad()
     def init_quantizer_(self, importance: torch.Tensor | None = None) -> None:
         """(Re)initialise the quantiser from the latent weight, frozen; runs on the CPU, once, before training
         (it replaces the parameter objects: build the optimizer afterwards)."""
-        cfg, w, g = self.cfg, self.weight.detach().cpu().float(), self.group_size
         imp = None if importance is None else importance.detach().cpu()
-        values: dict[str, torch.Tensor] = {}
-        if cfg.scheme == "kquant":
-            values = kquant.init_parameters(w, cfg, imp)
-        elif cfg.scheme == "int":
-            values["scale"], values["zero"] = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, cfg.init,
-                                                                        cfg.zero_domain, imp)
-        else:
-            values["scale"] = quant_init.lut_scale(w, g)
-            per_group = cfg.codebook == "group"
-            values["codebook"] = (
-                quant_init.kmeans_codebook(w, values["scale"], cfg.bits, g, per_group, imp) if cfg.init != "rtn"
-                else quant_init.uniform_codebook(cfg.bits, tuple(values["scale"].shape) if per_group else None))
-        if cfg.scale_rank:  # A small and random, B zero: starts at s, and B gets a gradient at once (as LoRA)
-            generator = torch.Generator().manual_seed(0)
-            a = torch.randn(self.out_features, cfg.scale_rank, generator=generator) / cfg.scale_rank**0.5
-            values["scale_a"] = quant_init.snap_fp16(a * 0.01)
-            values["scale_b"] = torch.zeros(cfg.scale_rank, self.in_features)
+        values = self.quantizer.init_parameters(self.weight.detach().cpu().float(), imp)
         for name, value in values.items():
             setattr(self, name, nn.Parameter(value.to(self.weight.device), requires_grad=False))
         self.invalidate_cache()
 
     def _fake_quantize(self) -> torch.Tensor:
-        return quantize_weight(self.weight, self.cfg, self.group_size, self.hold_codes, **self.quant_parameters())
+        return self.quantizer.fake_quantize(self.weight, self.quant_parameters(), self.hold_codes)
 
     def trains(self) -> bool:
         """Whether Wq depends on a trained tensor (the latent weight or a quantiser parameter)."""
@@ -182,14 +148,14 @@ class FakeQuantLinear(nn.Linear):
     @torch.no_grad()
     def codes(self) -> torch.Tensor:
         """Integer codes [out, in] (uint8, in [0, 2^bits)) that `dequantize` maps back to `quantized_weight()`."""
-        return weight_codes(self.weight, self.cfg, self.group_size, **self.quant_parameters())
+        return self.quantizer.codes(self.weight, self.quant_parameters())
 
     @torch.no_grad()
     def dequantize_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """The [out, in] weight that integer `codes` stand for under this layer's quantiser (the inverse of
         `codes()`): set as the latent weight, it makes `quantized_weight()` equal it exactly."""
         parts = {k: p.detach() for k, p in self.quant_parameters().items()}
-        return dequantize(codes, self.cfg, self.group_size, **parts).to(self.weight.dtype)
+        return self.quantizer.dequantize(codes, parts).to(self.weight.dtype)
 
     @torch.no_grad()
     def store_quantized_weight_(self, dtype: torch.dtype) -> None:
@@ -235,7 +201,7 @@ class FakeQuantLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         cfg = self.cfg
-        return (f"{super().extra_repr()}, scheme={cfg.scheme}, bits={cfg.bits}, group_size={self.group_size}, "
+        return (f"{super().extra_repr()}, {type(self.quantizer).__name__}, scheme={cfg.scheme}, bits={cfg.bits}, group_size={self.group_size}, "
                 f"symmetric={cfg.symmetric}, scale_rank={cfg.scale_rank}")
 
 

@@ -31,65 +31,8 @@ import torch.nn.functional as F
 
 from qat_lora.quant import blocks
 
-from qat_lora.quant import kquant
-
-from qat_lora.quant import inits as quant_init
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, quantised_layers
-
-
-class _GroupGrid:
-    """Per-group quantiser state, filled in as GPTQ reaches each group (or all at once: `static`).
-
-    int: scale/zero [out, groups] as quant_init.rtn_scale_zero / mse_scale_zero return them.
-    lut: the FakeQuantLinear's own scale [out, groups] and codebook [1, 1, K] or [out, groups, K], kept fixed.
-    kquant: the layer's sub-block scales d * sc and mins dmin * m ([out, groups] each, kquant.sub_block_grid),
-    kept fixed: GPTQ then only chooses the codes, which the two-level scales need not re-fit.
-    """
-
-    def __init__(self, cfg: QuantConfig, group_size: int, out_features: int, in_features: int,
-                 scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
-                 kquant_grid: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                 device: torch.device = torch.device("cpu")) -> None:
-        self.cfg, self.group_size, self.kquant_grid = cfg, group_size, kquant_grid
-        groups = in_features // group_size
-        self.scale = torch.zeros(out_features, groups, device=device) if scale is None else scale.detach().float().to(device)
-        self.zero = torch.zeros(out_features, groups, device=device)
-        self.codebook = (None if codebook is None
-                         else codebook.detach().float().to(device).expand(out_features, groups, -1))
-
-    def fit_(self, group: int, w: torch.Tensor, importance: torch.Tensor) -> None:
-        """Fit group `group` on its current weights w [out, G], weighted by importance [G] (diag H) under mse."""
-        if self.cfg.scheme != "int":
-            return  # lut / kquant: the scales (and codebook, mins) are fixed inputs
-        cfg, g = self.cfg, w.shape[1]
-        init = cfg.init if cfg.init in ("mse", "ggml") else "rtn"  # hqq's fit is for whole layers, not GPTQ's groups
-        s, z = quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, g, init, cfg.zero_domain, importance)
-        self.scale[:, group], self.zero[:, group] = s[:, 0], z[:, 0]
-
-    def fit_all_(self, w: torch.Tensor, importance: torch.Tensor) -> None:
-        """"Static groups": every group fitted up front on w [out, in] (the original weights)."""
-        g = self.group_size
-        for group in range(w.shape[1] // g):
-            self.fit_(group, w[:, group * g:(group + 1) * g], importance[group * g:(group + 1) * g])
-
-    def quantize(self, w: torch.Tensor, column: int) -> torch.Tensor:
-        """Grid value [out] of column `column` (original index) holding w [out]; FakeQuantLinear's arithmetic."""
-        group = column // self.group_size
-        if self.kquant_grid is not None:  # kquant.fake_quantize_kquant's arithmetic, one column
-            s, m = (None if t is None else t[:, group] for t in self.kquant_grid)
-            safe = torch.where(s == 0, torch.ones_like(s), s)
-            q = torch.clamp(torch.round(w / safe if m is None else (w + m) / safe), self.cfg.qmin, self.cfg.qmax)
-            return q * s if m is None else q * s - m
-        s = self.scale[:, group]
-        if self.codebook is not None:
-            cb = self.codebook[:, group]  # [out, K]
-            nearest = (w.div(s).unsqueeze(1) - cb).abs().argmin(1, keepdim=True)
-            return cb.gather(1, nearest).squeeze(1) * s
-        z = self.zero[:, group]
-        if self.cfg.zero_domain == "float":  # q * s + m, as FakeQuantLinear (m is fp16 already)
-            return torch.clamp(torch.round((w - z) / s), self.cfg.qmin, self.cfg.qmax) * s + z
-        # (q - z) * s is exact in float32 (small integer times an fp16 value), so round(Wq / s) gives back q.
-        return (torch.clamp(torch.round(w / s) + z, self.cfg.qmin, self.cfg.qmax) - z) * s
+from qat_lora.quant.quantizer import ColumnGrid, quantizer_for
 
 
 def _inverse_cholesky_upper(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -123,8 +66,7 @@ def _group_now(w: torch.Tensor, w1: torch.Tensor, err1: torch.Tensor, u: torch.T
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, group_size: int, *,
                   damp: float = 0.01, act_order: bool = False, block_size: int = 128,
-                  scale: torch.Tensor | None = None, codebook: torch.Tensor | None = None,
-                  kquant_grid: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                  params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """GPTQ-quantise one weight matrix onto a FakeQuantLinear grid.
 
     Args:
@@ -135,36 +77,32 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig,
         act_order: process columns by decreasing diag(H), with every group fitted up front on the original
             weights ("static groups"), so groups stay contiguous in the original column order.
         block_size: columns per lazy-batch update.
-        scale, codebook: lut only: the layer's fixed scale [out, groups] and codebook ([1, 1, K] | [out, groups, K]).
-        kquant_grid: kquant only: the layer's fixed (sub-block scales, mins or None), kquant.sub_block_grid.
+        params: the layer's quantiser parameters (FakeQuantLinear.quant_parameters()): the grids GPTQ keeps
+            fixed (lut: scale and codebook; kquant: the two-level scales) need them; int / offset grids refit
+            each group's scale and zero.
     Returns:
-        int: {"weight": Wq [out, in], "scale": [out, groups] fp16-representable, "zero": [out, groups] integer};
-        lut: {"weight", "scale", "codebook"}; kquant: {"weight"}; float32, on `weight`'s device (where the
-        column loop ran). Wq == FakeQuantLinear's fake-quantisation of Wq.
+        {"weight": Wq [out, in]} and the parameters GPTQ chose (int: "scale" [out, groups] fp16-representable,
+        "zero" [out, groups] integer or fp16 offset; lut: "scale", "codebook"; kquant: none); float32, on
+        `weight`'s device (where the column loop ran). Wq == FakeQuantLinear's fake-quantisation of Wq.
     Raises:
-        ValueError: shapes that do not match, a lut call without scale/codebook, or an H not positive definite.
+        ValueError: shapes that do not match, a lut / kquant call without params, or an H not positive definite.
     """
-    _check_args(weight, hessian, cfg, group_size, scale, codebook, damp, block_size)
-    if cfg.scheme == "kquant" and kquant_grid is None:
-        raise ValueError("gptq_quantize: the kquant scheme keeps the layer's two-level scales fixed; pass "
-                         "kquant_grid=kquant.sub_block_grid(cfg, **layer.quant_parameters())")
+    _check_args(weight, hessian, cfg, group_size, damp, block_size)
+    grid = quantizer_for(cfg, group_size).column_grid(params, *weight.shape, weight.device)
     if weight.device.type != "cpu":
-        return _gptq_quantize(weight, hessian, cfg, group_size, damp, act_order, block_size, scale, codebook,
-                              kquant_grid)
+        return _gptq_quantize(weight, hessian, group_size, damp, act_order, block_size, grid)
     threads = torch.get_num_threads()
     # On the CPU the column loop is thousands of tiny ops: with more than one thread each pays OpenMP start-up
     # and, on a busy host, spin-waits (1536 x 576, w3g64, 2 busy cores: 75 s with 2 threads, 1.4 s with 1).
     torch.set_num_threads(1)
     try:
-        return _gptq_quantize(weight, hessian, cfg, group_size, damp, act_order, block_size, scale, codebook,
-                              kquant_grid)
+        return _gptq_quantize(weight, hessian, group_size, damp, act_order, block_size, grid)
     finally:
         torch.set_num_threads(threads)
 
 
-def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, group_size: int, damp: float,
-                   act_order: bool, block_size: int, scale: torch.Tensor | None,
-                   codebook: torch.Tensor | None, kquant_grid=None) -> dict[str, torch.Tensor]:
+def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float, act_order: bool,
+                   block_size: int, grid: ColumnGrid) -> dict[str, torch.Tensor]:
     out_features, in_features = weight.shape
     device = weight.device
     w = weight.detach().float().clone()
@@ -173,12 +111,11 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     importance = torch.diag(h).clone()
-    if kquant_grid is not None:
-        kquant_grid = tuple(None if t is None else t.detach().float().to(device) for t in kquant_grid)
-    grid = _GroupGrid(cfg, group_size, out_features, in_features, scale, codebook, kquant_grid, device)
-    static = act_order or cfg.scheme != "int"
-    if static:
-        grid.fit_all_(w, importance)
+    static = act_order or not grid.refits
+    if static and grid.refits:  # "static groups": every group fitted up front on the original weights
+        for group in range(in_features // group_size):
+            cols = slice(group * group_size, (group + 1) * group_size)
+            grid.fit_(group, w[:, cols], importance[cols])
     perm = torch.argsort(importance, descending=True) if act_order else torch.arange(in_features, device=device)
     w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_cholesky_upper(h, damp)
@@ -193,29 +130,22 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
             if not static and col % group_size == 0:  # no permutation here: col is the original column
                 group_w = _group_now(w, w1, err1, u, i1, i, col + group_size)
                 grid.fit_(col // group_size, group_w, importance[col:col + group_size])
-            q[:, col] = grid.quantize(w1[:, i], int(perm_host[col]))
+            q[:, col] = grid.quantize(w1[:, i], perm_host[col] // group_size)
             err1[:, i] = (w1[:, i] - q[:, col]) / u1[i, i]
             w1[:, i:] -= err1[:, i:i + 1] * u1[i:i + 1, i:]  # OBS update of the rest of the block
         w[:, i2:] -= err1 @ u[i1:i2, i2:]  # lazy update of the later blocks
     wq = torch.empty_like(q)
     wq[:, perm] = q  # undo the act-order permutation
-    if cfg.scheme == "kquant":
-        return {"weight": wq}
-    if cfg.scheme == "lut":
-        return {"weight": wq, "scale": grid.scale, "codebook": codebook.detach().float().to(device)}
-    return {"weight": wq, "scale": grid.scale, "zero": grid.zero}
+    return {"weight": wq, **grid.parameters()}
 
 
-def _check_args(weight, hessian, cfg, group_size, scale, codebook, damp, block_size) -> None:
+def _check_args(weight, hessian, cfg, group_size, damp, block_size) -> None:
     out_features, in_features = weight.shape
     if tuple(hessian.shape) != (in_features, in_features):
         raise ValueError(f"gptq_quantize: hessian {tuple(hessian.shape)} does not match weight "
                          f"{tuple(weight.shape)}; pass H = 2 XᵀX / n of shape [in, in]")
     if group_size <= 0 or in_features % group_size:
         raise ValueError(f"gptq_quantize: group_size={group_size} does not divide in_features={in_features}")
-    if cfg.scheme == "lut" and (scale is None or codebook is None):
-        raise ValueError("gptq_quantize: the lut scheme keeps the layer's scale and codebook fixed; pass "
-                         "scale= and codebook= (e.g. from FakeQuantLinear.scale / .codebook)")
     if damp < 0 or block_size <= 0:
         raise ValueError(f"gptq_quantize: damp={damp}, block_size={block_size}: use damp >= 0, block_size > 0")
     if cfg.scale_rank:
@@ -292,9 +222,9 @@ def _write_(module: FakeQuantLinear, result: dict[str, torch.Tensor]) -> None:
     parameter itself, not on .data, bumps its version, which FakeQuantLinear's Wq cache key watches.
     """
     module.weight.copy_(result["weight"])
-    for name in ("scale", "zero", "codebook"):
-        if name in result:
-            getattr(module, name).copy_(result[name])
+    for name, value in result.items():
+        if name != "weight":
+            getattr(module, name).copy_(value)
     module._cached_wq = None
 
 
@@ -304,11 +234,8 @@ def _quantize_module(module: FakeQuantLinear, h: torch.Tensor, damp: float, act_
     start = time.perf_counter()
     w = module.weight.detach().float().to(h.device).clone()  # the latent weight is overwritten below
     before = relative_error(w, module.quantized_weight().detach(), h)
-    lut = module.cfg.scheme == "lut"
-    grid = kquant.sub_block_grid(module.cfg, **module.quant_parameters()) if module.cfg.scheme == "kquant" else None
     result = gptq_quantize(w, h, module.cfg, module.group_size, damp=damp, act_order=act_order,
-                           scale=module.scale if lut else None, codebook=module.codebook if lut else None,
-                           kquant_grid=grid)
+                           params=module.quant_parameters())
     _write_(module, result)
     return {"init_err": before, "gptq_err": relative_error(w, result["weight"], h),
             "seconds": time.perf_counter() - start}

@@ -100,8 +100,9 @@ def has_codes(path: str | Path) -> bool:
 
 
 def layer_bits(layer: FakeQuantLinear) -> int:
-    """Storage bits of one quantised linear: codes at their width plus every fp16 quantiser tensor."""
-    return layer.weight.numel() * layer.cfg.bits + 16 * sum(p.numel() for p in layer.quant_parameters().values())
+    """Storage bits of one quantised linear: codes at their width plus every quantiser tensor as stored (fp16;
+    a K-quant's integer sub-block scales at their own width)."""
+    return layer.quantizer.storage_bits(layer.out_features, layer.in_features)
 
 
 # What a full-precision model's weights ship at (bf16 / fp16), whatever dtype it was evaluated in: the reference

@@ -1,5 +1,5 @@
 """The byte layout of llama.cpp's K-quant blocks (ggml-common.h: block_q2_K, block_q3_K, block_q4_K, block_q6_K),
-written from a K-quant student's own codes, integer sub-block scales / mins and fp16 super-block scales, so that
+written from a K-quant student's own codes (quantizer.KQuantizer.gguf_fields), integer sub-block scales / mins and fp16 super-block scales, so that
 gguf's dequantiser returns the student's Wq bit for bit (writer.py writes the file).
 
 Per 256-weight super-block, in file order (bit j of a byte: `>> j`):
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from qat_lora.quant import kquant
-from qat_lora.quant.fake_quant import FakeQuantLinear
 from qat_lora.quant.config import QK_K
 
 
@@ -86,13 +84,3 @@ def pack_kquant(qtype: str, q: np.ndarray, d: np.ndarray, sc: np.ndarray, dmin: 
     args = [a.astype(np.int16) if a is not None and i in (0, 1, 3) else a for i, a in enumerate(args)]
     parts = PACKERS[qtype](*args)
     return np.ascontiguousarray(np.concatenate(parts, -1).reshape(rows, -1))
-
-
-def kquant_blocks(layer: FakeQuantLinear) -> tuple[str, np.ndarray]:
-    """(type, blocks [out, bytes]) of a K-quant layer, from exactly what its forward uses."""
-    cfg = layer.cfg
-    params = {k: p.detach().float().cpu() for k, p in layer.quant_parameters().items()}
-    stored = {k: v.numpy() for k, v in kquant.stored_parameters(cfg, **params).items()}
-    q = kquant.codes(layer.weight.detach().cpu(), cfg, **params).numpy()
-    qtype = cfg.kquant.ggml_type
-    return qtype, pack_kquant(qtype, q, stored["d"], stored["sc"], stored.get("dmin"), stored.get("m"))

@@ -33,12 +33,12 @@ from torch import nn
 # and tests/test_families.py look for them.
 from qat_lora.export.gguf.arch import (  # noqa: F401
     GGUF_ARCHITECTURES, GGUFFamily, _gguf, add_metadata, full_precision, gguf_architecture, tensor_naming)
-from qat_lora.export.gguf.kquant import kquant_blocks
+from qat_lora.export.gguf.kquant import PACKERS as KQUANT_PACKERS, pack_kquant
 from qat_lora.export.gguf.vocab import add_tokenizer, pre_tokenizer_name  # noqa: F401
 from qat_lora.export.tensors import full_precision_tensors
 from qat_lora.quant.config import PRESETS, QuantConfig
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
-from qat_lora.quant.inits import snap_fp16
+from qat_lora.quant.quantizer import quantizer_for
 from qat_lora.runtime.writes import writing
 
 GGUF_DIR, GGUF_FILE = "gguf", "model.gguf"
@@ -46,27 +46,16 @@ BLOCK = 32  # weights per block of Q8_0 / Q4_0 / Q4_1
 BLOCK_BITS = {"Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0}  # bits per weight as stored: fp16 d (+ fp16 m) + 32 codes
 
 
-def _exact_grid(cfg: QuantConfig) -> bool:
-    """Whether llama.cpp stores this grid bit for bit (the rule of exact_type and _layer_blocks, per preset)."""
-    if cfg.scheme == "kquant":  # rows not a multiple of 256 take a 32-block fallback, itself exact
-        return True
-    if cfg.scheme != "int" or cfg.scale_rank or cfg.group_size != BLOCK or cfg.bits not in (4, 8):
-        return False
-    return (cfg.zero_domain == "float" and cfg.bits == 4) or (cfg.symmetric and cfg.zero_domain == "none")
-
-
 def requantised_type(cfg: QuantConfig) -> str | None:
     """The llama.cpp type the layers of preset `cfg` (or of one of its overrides) are re-quantised to by value,
     losing the trained grid, or None when the file keeps every grid: the exact presets (EXACT_PRESETS) and 4-bit
     int groups of 32, written as Q4_1 from their own codes (only the offset d * (z - qmin) is rounded to fp16)."""
-    for c in (cfg, *(o for _, o in cfg.overrides)):
-        keeps_codes = c.scheme == "int" and not c.scale_rank and c.group_size == BLOCK and c.bits == 4
-        if not (_exact_grid(c) or keeps_codes):
-            return "Q8_0"
+    if any(quantizer_for(c).gguf_type is None for c in (cfg, *(o for _, o in cfg.overrides))):
+        return "Q8_0"
     return None
 
 
-EXACT_PRESETS = tuple(name for name, cfg in PRESETS.items() if _exact_grid(cfg))  # q8_0, q4_0, q4_1, q2_k, ...
+EXACT_PRESETS = tuple(name for name, cfg in PRESETS.items() if quantizer_for(cfg).gguf_exact)  # q8_0, q4_0, q4_1, q2_k, ...
 
 
 def warn_if_lossy(report: dict) -> None:
@@ -97,21 +86,6 @@ def gguf_file(out_dir: str | Path, file_name: str, arch: str) -> Iterator[tuple[
         os.replace(tmp, path)
 
 
-def exact_type(layer: FakeQuantLinear) -> str | None:
-    """The llama.cpp type whose grid is exactly this layer's (Q8_0, Q4_0, Q4_1), or None.
-
-    Symmetric int layers qualify only while every zero rounds to 0 (zero_domain none keeps it 0 by design).
-    """
-    cfg = layer.cfg
-    if cfg.scheme != "int" or cfg.scale_rank or layer.group_size != BLOCK or cfg.bits not in (4, 8):
-        return None
-    if cfg.zero_domain == "float":
-        return "Q4_1" if cfg.bits == 4 else None
-    if cfg.symmetric and (cfg.zero_domain == "none" or not torch.round(layer.zero).any()):
-        return "Q8_0" if cfg.bits == 8 else "Q4_0"
-    return None
-
-
 def pack_blocks(codes: np.ndarray, d: np.ndarray, qtype: str, m: np.ndarray | None = None) -> np.ndarray:
     """Lay out llama.cpp blocks of 32 weights.
 
@@ -135,27 +109,20 @@ def pack_blocks(codes: np.ndarray, d: np.ndarray, qtype: str, m: np.ndarray | No
 
 
 def _layer_blocks(layer: FakeQuantLinear) -> tuple[str, np.ndarray]:
-    """(type, blocks [out, bytes]) for one quantised linear: exact for llama.cpp grids, else re-quantised."""
-    gguf = _gguf()
-    if layer.cfg.scheme == "kquant":  # Q2_K / Q3_K / Q4_K / Q6_K: always exact (kquant.py)
-        return kquant_blocks(layer)
-    qtype = exact_type(layer)
-    codes = layer.codes().numpy().astype(np.int16) + layer.cfg.qmin  # [out, in]: the integer q of the grid
-    if qtype is not None:
-        d = layer.scale.detach().float().numpy()
-        m = layer.zero.detach().float().numpy() if qtype == "Q4_1" else None
-        return qtype, pack_blocks(codes if qtype == "Q8_0" else codes - layer.cfg.qmin, d, qtype, m)
-    cfg = layer.cfg
-    if cfg.scheme == "int" and cfg.zero_domain == "int" and not cfg.scale_rank and cfg.bits == 4 \
-            and layer.group_size == BLOCK:
-        # Same codes c = q - qmin: Wq = d * (q - z) = d * c - d * (z - qmin); only that offset m is rounded to fp16.
-        d = snap_fp16(layer.scale.detach().float())
-        z = torch.round(layer.zero.detach()).float()
-        return "Q4_1", pack_blocks(codes - cfg.qmin, d.numpy(), "Q4_1", (-d * (z - cfg.qmin)).numpy())
+    """(type, blocks [out, bytes]) for one quantised linear: from its own codes where a llama.cpp type holds its
+    grid (quantizer.gguf_fields), else re-quantised by value."""
+    params = {k: p.detach() for k, p in layer.quant_parameters().items()}
+    fields = layer.quantizer.gguf_fields(layer.weight.detach(), params)
+    if fields is not None:
+        qtype = fields.pop("type")
+        arrays = {k: v.cpu().numpy() for k, v in fields.items()}
+        if qtype in KQUANT_PACKERS:
+            return qtype, pack_kquant(qtype, **arrays)
+        return qtype, pack_blocks(arrays["q"], arrays["d"], qtype, arrays.get("m"))
     wq = layer.quantized_weight().detach().float().numpy()
     if wq.shape[1] % BLOCK:
         return "F16", wq.astype(np.float16)
-    return "Q8_0", gguf.quants.quantize(wq, gguf.GGMLQuantizationType.Q8_0)
+    return "Q8_0", _gguf().quants.quantize(wq, _gguf().GGMLQuantizationType.Q8_0)
 
 
 # Keys the writer owns (the container's, and what depends on how the tensors are quantised): never copied from a

@@ -1,0 +1,208 @@
+"""Uniform integer grids: an integer zero point (or none: llama.cpp's Q8_0 / Q4_0) and an fp16 offset (Q4_1)."""
+from __future__ import annotations
+
+import torch
+
+from qat_lora.quant import inits as quant_init
+from qat_lora.quant.quantizer.base import (GGUF_BLOCK, ColumnGrid, Params, Quantizer, _GroupScaled, _fp16_ste, _grouping,
+                                           _round_ste)
+
+
+class IntQuantizer(_GroupScaled):
+    """Uniform integer grid with an integer zero point z (zero_domain int), or none (zero_domain none: Wq = s * q,
+    llama.cpp's Q8_0 / Q4_0; the zero parameter stays 0, its gradient exactly 0)."""
+
+    scheme = "int"
+
+    def _own_shapes(self, out_features: int, groups: int) -> dict[str, tuple[int, ...]]:
+        return {"zero": (out_features, groups)}
+
+    def _init_own(self, weight: torch.Tensor, importance: torch.Tensor | None) -> Params:
+        cfg = self.cfg
+        scale, zero = quant_init.int_scale_zero(weight, cfg.bits, cfg.symmetric, self.group_size, cfg.init,
+                                                cfg.zero_domain, importance)
+        return {"scale": scale, "zero": zero}
+
+    def _zero(self, zero: torch.Tensor) -> torch.Tensor:
+        """round(z) through an STE, or 0 (none): zero * 0 gives the parameter a gradient of exactly 0, so it stays
+        0 under AdamW too."""
+        return zero * 0.0 if self.cfg.zero_domain == "none" else _round_ste(zero)
+
+    def stored_parameters(self, params: Params) -> Params:
+        out = super().stored_parameters(params)
+        # the zero the grid uses: round(z) (fp16(z) can round the other way than z near k + 0.5), or 0 (none)
+        out["zero"] = torch.zeros_like(out["zero"]) if self.cfg.zero_domain == "none" else torch.round(out["zero"])
+        return out
+
+    def snapped_parameters(self, params: Params) -> Params:
+        return {"scale": quant_init.snap_fp16(params["scale"].detach()), "zero": torch.round(params["zero"].detach())}
+
+    def fake_quantize(self, weight: torch.Tensor, params: Params, hold_codes: bool = False) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        s = self._scale(params)
+        z = self._zero(params["zero"]).unsqueeze(-1)
+        w = weight.reshape(out_features, s.shape[1], in_features // s.shape[1])
+        # an integer zero stays in round's argument: shifting it shifts the codes, and Wq does not change
+        s_in = s.detach() if hold_codes else s
+        wq = (torch.clamp(_round_ste(w / s_in) + z, self.cfg.qmin, self.cfg.qmax) - z) * s
+        return wq.reshape(out_features, in_features).to(weight.dtype)
+
+    def codes(self, weight: torch.Tensor, params: Params) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        w = weight.float().reshape(out_features, -1, self.group_size)
+        z = self._zero(params["zero"]).unsqueeze(-1)
+        q = torch.clamp(torch.round(w / self._scale(params)) + z, self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
+        return q.reshape(out_features, in_features).to(torch.uint8)
+
+    def dequantize(self, codes: torch.Tensor, params: Params) -> torch.Tensor:
+        params = {k: v.float() for k, v in params.items()}
+        out_features, in_features = codes.shape
+        c = codes.long().reshape(out_features, -1, self.group_size)
+        z = self._zero(params["zero"]).unsqueeze(-1)
+        return (((c + self.cfg.qmin).float() - z) * self._scale(params)).reshape(out_features, in_features)
+
+    def column_grid(self, params: Params | None, out_features: int, in_features: int,
+                    device: torch.device) -> ColumnGrid:
+        return _RefitColumns(self, out_features, in_features // self.group_size, device)
+
+    def storage_bits(self, out_features: int, in_features: int) -> int:
+        bits = super().storage_bits(out_features, in_features)
+        if self.cfg.zero_domain == "none":  # Q8_0 / Q4_0 store no zero point: the parameter is always 0
+            bits -= 16 * out_features * (in_features // self.group_size)
+        return bits
+
+    def _fit_group(self, w: torch.Tensor, importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        init = cfg.init if cfg.init in ("mse", "ggml") else "rtn"  # hqq's fit is for whole layers, not groups
+        return quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, w.shape[1], init, cfg.zero_domain, importance)
+
+    def _round_column(self, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # (q - z) * s is exact in float32 (small integer times an fp16 value), so round(Wq / s) gives back q.
+        return (torch.clamp(torch.round(w / s) + z, self.cfg.qmin, self.cfg.qmax) - z) * s
+
+    def _block_grid(self) -> bool:
+        return not self.cfg.scale_rank and self.group_size == GGUF_BLOCK and self.cfg.bits in (4, 8)
+
+    @property
+    def gguf_type(self) -> str | None:
+        if self._block_grid() and self.cfg.zero_domain == "none":
+            return "Q8_0" if self.cfg.bits == 8 else "Q4_0"
+        # 4-bit groups of 32 with an integer zero: the same codes as Q4_1 (gguf_fields)
+        return "Q4_1" if self._block_grid() and self.cfg.bits == 4 else None
+
+    @property
+    def gguf_exact(self) -> bool:
+        return self._block_grid() and self.cfg.zero_domain == "none"
+
+    def gguf_fields(self, weight: torch.Tensor, params: Params) -> dict | None:
+        if not self._block_grid():
+            return None
+        cfg, codes = self.cfg, self.codes(weight, params)
+        # symmetric layers qualify only while every zero rounds to 0 (zero_domain none keeps it 0 by design)
+        if cfg.symmetric and (cfg.zero_domain == "none" or not torch.round(params["zero"]).any()):
+            if cfg.bits == 8:
+                return {"type": "Q8_0", "q": codes.to(torch.int16) + cfg.qmin, "d": params["scale"].detach().float()}
+            return {"type": "Q4_0", "q": codes.to(torch.int16), "d": params["scale"].detach().float()}
+        if cfg.bits != 4:
+            return None
+        # the same codes c = q - qmin: Wq = d * (q - z) = d * c - d * (z - qmin); only that offset m is rounded
+        # to fp16 as Q4_1 stores it
+        d = quant_init.snap_fp16(params["scale"].detach().float())
+        z = torch.round(params["zero"].detach()).float()
+        return {"type": "Q4_1", "q": codes.to(torch.int16), "d": d, "m": -d * (z - cfg.qmin)}
+
+    def compressed_tensors_reason(self) -> str | None:
+        if self.cfg.scale_rank:
+            return "low-rank scales"
+        if self.cfg.bits not in (2, 4, 8):
+            return f"{self.cfg.bits}-bit codes (compressed-tensors layouts agree on 2, 4 and 8 bits only)"
+        return None
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        kind = f"int{cfg.bits}, {'symmetric' if cfg.symmetric else 'asymmetric'}"
+        if cfg.zero_domain != "int":
+            kind += f", zero point {cfg.zero_domain}" + (f" (llama.cpp {self.gguf_type})" if self.gguf_exact else "")
+        return f"{kind}, {_grouping(self.group_size)}"
+
+
+class OffsetQuantizer(IntQuantizer):
+    """Uniform grid with an fp16 offset m instead of an integer zero (llama.cpp's Q4_1 "min"): Wq = s * q + m,
+    q >= 0. Its one init is min/max (llama.cpp's)."""
+
+    clip_search = False  # min/max is the grid's only init
+    reconstructable = False
+
+    def _zero(self, zero: torch.Tensor) -> torch.Tensor:
+        return _fp16_ste(zero)
+
+    def stored_parameters(self, params: Params) -> Params:
+        return Quantizer.stored_parameters(self, params)
+
+    def snapped_parameters(self, params: Params) -> Params:
+        return Quantizer.snapped_parameters(self, params)
+
+    def fake_quantize(self, weight: torch.Tensor, params: Params, hold_codes: bool = False) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        s = self._scale(params)
+        m = self._zero(params["zero"]).unsqueeze(-1)
+        w = weight.reshape(out_features, s.shape[1], in_features // s.shape[1])
+        s_in, m_in = (s.detach(), m.detach()) if hold_codes else (s, m)
+        # d * q, then + m, in that order: what gguf's dequantiser computes, so bit-exact
+        wq = torch.clamp(_round_ste((w - m_in) / s_in), self.cfg.qmin, self.cfg.qmax) * s + m
+        return wq.reshape(out_features, in_features).to(weight.dtype)
+
+    def codes(self, weight: torch.Tensor, params: Params) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        w = weight.float().reshape(out_features, -1, self.group_size)
+        m = self._zero(params["zero"]).unsqueeze(-1)
+        q = torch.clamp(torch.round((w - m) / self._scale(params)), self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
+        return q.reshape(out_features, in_features).to(torch.uint8)
+
+    def dequantize(self, codes: torch.Tensor, params: Params) -> torch.Tensor:
+        params = {k: v.float() for k, v in params.items()}
+        out_features, in_features = codes.shape
+        c = codes.long().reshape(out_features, -1, self.group_size)
+        m = self._zero(params["zero"]).unsqueeze(-1)
+        return ((c + self.cfg.qmin).float() * self._scale(params) + m).reshape(out_features, in_features)
+
+    def _round_column(self, w: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(torch.round((w - m) / s), self.cfg.qmin, self.cfg.qmax) * s + m  # m is fp16 already
+
+    @property
+    def gguf_type(self) -> str | None:
+        return "Q4_1" if self.gguf_exact else None
+
+    @property
+    def gguf_exact(self) -> bool:
+        return self._block_grid() and self.cfg.bits == 4
+
+    def gguf_fields(self, weight: torch.Tensor, params: Params) -> dict | None:
+        if not self.gguf_exact:
+            return None
+        return {"type": "Q4_1", "q": self.codes(weight, params).to(torch.int16),
+                "d": params["scale"].detach().float(), "m": params["zero"].detach().float()}
+
+    def compressed_tensors_reason(self) -> str | None:
+        return "low-rank scales" if self.cfg.scale_rank else "a float zero offset (llama.cpp Q4_1)"
+
+
+class _RefitColumns(ColumnGrid):
+    """int / offset grids: each group's scale and zero fitted on its error-compensated weights (paper §4)."""
+
+    refits = True
+
+    def __init__(self, quantizer: IntQuantizer, out_features: int, groups: int, device: torch.device) -> None:
+        self.quantizer = quantizer
+        self.scale = torch.zeros(out_features, groups, device=device)
+        self.zero = torch.zeros(out_features, groups, device=device)
+
+    def fit_(self, group: int, w: torch.Tensor, importance: torch.Tensor) -> None:
+        s, z = self.quantizer._fit_group(w, importance)
+        self.scale[:, group], self.zero[:, group] = s[:, 0], z[:, 0]
+
+    def quantize(self, w: torch.Tensor, group: int) -> torch.Tensor:
+        return self.quantizer._round_column(w, self.scale[:, group], self.zero[:, group])
+
+    def parameters(self) -> Params:
+        return {"scale": self.scale, "zero": self.zero}
