@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from qat_lora.data import models
-from qat_lora.runtime.options import (MAX_LR, paths_as_flags, refuse_unused_flags, require_at_most,
-                                      require_non_negative, require_positive)
+from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, paths_as_flags, refuse_unused_flags,
+                                      require_at_most, require_non_negative, require_positive)
 from qat_lora.train.config import StudentSpec, check_adapter
 from qat_lora.quant.fake_quant import get_preset
 
@@ -44,7 +44,7 @@ def check_gguf_grid(quant: str, requantize: bool) -> None:
 
 
 @dataclass
-class ExportConfig(StudentSpec):
+class ExportConfig(StudentSpec, DeviceInput, PrecisionInput):
     quant: str = field(default="", metadata={"help": "quantisation preset (default: the one the run of --adapter / "
                                                      "--quantizer recorded)"})
     adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/): written beside the "
@@ -72,6 +72,11 @@ class ExportConfig(StudentSpec):
                                                                        "scales) or qat (scales, zeros)"})
     resnap_lr: float = field(default=5e-4, metadata={"help": "peak learning rate of the re-snap stage"})
     batch_size: int = field(default=4, metadata={"help": "sequences per forward (held-out report, re-snap)"})
+    # Only the forwards and the re-snap's steps go there: the model is back on the host before anything is packed
+    # or written, so the files are the same bytes on every device.
+    device: str = DeviceInput.device_field(": where the held-out report and the re-snap run (files are packed and "
+                                           "written on the host)")
+    precision: str = PrecisionInput.precision_field("held-out report and re-snap, as in training: ")
     overwrite: bool = field(default=False, metadata={"help": "replace an earlier export in --out"})
 
     def __post_init__(self) -> None:
@@ -86,6 +91,8 @@ class ExportConfig(StudentSpec):
         require_positive(self, "batch_size")
         require_positive(self, "resnap_lr", finite=True)
         require_at_most(self, resnap_lr=MAX_LR)
+        self.check_device()
+        self.check_precision()
         for flag in ("merge_adapter", "merge_fp", "cache"):
             if getattr(self, flag) and not self.adapter:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --adapter (the run's adapter/ folder)")
@@ -119,6 +126,9 @@ class ExportConfig(StudentSpec):
         unused = {} if self.resnap_steps else dict.fromkeys(("resnap_preset", "resnap_lr"), "--resnap-steps > 0")
         if not self.cache:
             unused["batch_size"] = "--cache (the held-out report and the re-snap run in batches)"
+            unused["device"] = ("--cache (only the held-out report and the re-snap run on a device; files are "
+                                "packed and written on the host)")
+            unused["precision"] = "--cache (it sets the arithmetic of the held-out report and the re-snap)"
         if self.format != "gguf":
             unused["gguf_requantize"] = f"--format gguf (not {self.format})"
         return unused

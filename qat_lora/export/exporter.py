@@ -11,6 +11,8 @@ naming it (the model's own config sits inside, under `base_config`).
 `load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
 `dense/` is a plain `save_pretrained` folder of the dequantised weights: transformers loads it without qat_lora.
 `--format gguf` writes `gguf/model.gguf` instead (gguf/writer.py): llama.cpp's types, bit-exact for q8_0 / q4_0 / q4_1.
+`--device` is where the held-out report's forwards (--cache) and the re-snap's steps run; everything the files hold is
+computed and written on the host, so they are the same bytes on every device.
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ import torch
 from torch import nn
 
 from qat_lora.data import models
+from qat_lora.runtime import device as dev, precision
 from qat_lora.train.config import StudentSpec, TrainConfig
 from qat_lora.export.config import ExportConfig
-from qat_lora.export.merge import (KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
+from qat_lora.export.merge import (HOST, KEEP_THRESHOLD, heldout_metrics, merge_full_, merge_lora_, recovery_verdict,
                            student_and_base_metrics)
 from qat_lora.export.compressed_tensors import CT_DIR, save_compressed_tensors
 from qat_lora.runtime.files import (OWNER_KEY, FolderLock, atomic_write_json, check_out_apart_from_inputs, first_line,
@@ -37,7 +40,7 @@ from qat_lora.runtime.files import (OWNER_KEY, FolderLock, atomic_write_json, ch
 from qat_lora.export.gguf.writer import GGUF_DIR, save_gguf, warn_if_lossy
 from qat_lora.export.gguf.lora import save_gguf_lora
 from qat_lora.export.tensors import full_precision_tensors
-from qat_lora.train.student import build_student, load_student, save_adapter
+from qat_lora.train.student import build_student, load_student, resolve_attn, save_adapter
 from qat_lora.train.trainer import train
 from qat_lora.quant.fake_quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, get_preset, quant_config_dict,
                     quant_config_from_dict, quantised_layers)
@@ -261,12 +264,20 @@ def byte_breakdown(model: nn.Module) -> dict[str, int]:
             "embeddings": embeddings, "head": head_bytes, "other": sum(sizes.values()) - embeddings - head_bytes}
 
 
-def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Callable[[str], None]):
+def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Callable[[str], None],
+                   device: torch.device = HOST):
     """The adapter's way into the export (merge.py): beside the base (adapter/), merged into the grid,
-    and/or merged in full precision (merged-fp/); held-out metrics and verdicts when --cache is given.
+    and/or merged in full precision (merged-fp/); held-out metrics and verdicts when --cache is given, their
+    forwards on `device` (each model back on the host before it is merged or written).
     Returns (the student without PEFT wrappers, report)."""
     info: dict = {}
-    measured = student_and_base_metrics(peft_model, cfg.cache, cfg.batch_size) if cfg.cache else None
+    amp_dtype = precision.autocast_dtype(device, cfg.precision)  # eval's and training's: the same loss values
+
+    def measure(model) -> dict:
+        return heldout_metrics(model, cfg.cache, cfg.batch_size, device, amp_dtype)
+
+    measured = (student_and_base_metrics(peft_model, cfg.cache, cfg.batch_size, device, amp_dtype) if cfg.cache
+                else None)
     if measured:
         info["heldout"] = measured
     if cfg.merge_fp:
@@ -274,8 +285,7 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
         save_pretrained(full, out / MERGED_FP_DIR)
         save_pretrained(tokenizer, out / MERGED_FP_DIR)
         if measured:
-            info["merge_fp"] = recovery_verdict(measured, heldout_metrics(full, cfg.cache, cfg.batch_size),
-                                                "--merge-fp")
+            info["merge_fp"] = recovery_verdict(measured, measure(full), "--merge-fp")
     if not cfg.merge_adapter:
         # PEFT's own names over the base's module names; recorded as made over --model's weights
         save_adapter(peft_model, out / ADAPTER_DIR, models.weights_signature(cfg.model))
@@ -284,10 +294,9 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
         return peft_model.unload(), info
     student, info["merge"] = merge_lora_(peft_model)
     if cfg.resnap_steps:
-        student, info["merge"]["resnap"] = _resnap(cfg, student, out, tokenizer, log)
+        student, info["merge"]["resnap"] = _resnap(cfg, student, out, tokenizer, log, device)
     if measured:
-        info["merge"].update(recovery_verdict(measured, heldout_metrics(student, cfg.cache, cfg.batch_size),
-                                              "--merge-adapter"))
+        info["merge"].update(recovery_verdict(measured, measure(student), "--merge-adapter"))
     elif info["merge"]["requant_rel_error"] > KEEP_THRESHOLD:
         info["merge"]["verdict"] = (f"WARNING --merge-adapter: re-quantisation moved the weights by "
                                     f"{info['merge']['requant_rel_error']:.0%} of the adapter's change, so most of "
@@ -298,10 +307,12 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
     return student, info
 
 
-def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Callable[[str], None]):
+def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Callable[[str], None],
+            device: torch.device = HOST):
     """Re-snap the grid-merged student: the trainer's weight-qat / qat preset, started from the merged latent
-    weights Wq + dW (saved as a plain model) with the base's scales, trained against --cache so the weights that
-    land on the grid keep the adapter's recovery. Returns (the re-snapped student on its grid, the run summary)."""
+    weights Wq + dW (saved as a plain model) with the base's scales, trained against --cache on --device (with
+    --precision) so the weights that land on the grid keep the adapter's recovery. Returns (the re-snapped student
+    on its grid, on the host, built from the run's quantiser file; the run summary)."""
     work = out / RESNAP_DIR
     plain = copy.deepcopy(merged)
     for name, layer in quantised_layers(plain).items():  # the latent weights, not their grid values
@@ -315,11 +326,13 @@ def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Cal
                          model_signature=models.weights_signature(work / "model"))
     spec = StudentSpec(str(work / "model"), cfg.quant, str(work / "start-quantizer.safetensors"))
     log(f"re-snap: {cfg.resnap_preset}, {cfg.resnap_steps} steps on {cfg.cache}")
+    # --device and --precision passed on: the re-snap runs where the report did, not where the trainer would pick
     summary = train(TrainConfig(**asdict(spec), cache=cfg.cache, out=str(work / "run"), preset=cfg.resnap_preset,
                                 max_steps=cfg.resnap_steps, lr=cfg.resnap_lr, batch_size=cfg.batch_size,
                                 weight_lr_ratio=RESNAP_WEIGHT_LR_RATIO,
-                                warmup_steps=max(1, cfg.resnap_steps // 20), overwrite=True), log)
-    student = build_student(replace(spec, quantizer=summary["quantizer"])).eval()
+                                warmup_steps=max(1, cfg.resnap_steps // 20), overwrite=True,
+                                device=cfg.device, precision=cfg.precision), log)
+    student = build_student(replace(spec, quantizer=summary["quantizer"]), resolve_attn("auto", device)).eval()
     shutil.rmtree(work / "model")  # a full-precision copy: the export's own folders hold the result
     return student, {"preset": cfg.resnap_preset, "steps": cfg.resnap_steps, "quantizer": summary["quantizer"]}
 
@@ -339,13 +352,16 @@ export = export_student
 
 def _export(cfg: ExportConfig, log: Callable[[str], None]) -> dict:
     entries = _existing_export(cfg)
+    # Only the held-out report and the re-snap run on the device (both need --cache): resolved before anything
+    # loads or is removed, so a device this host lacks fails first.
+    device = dev.resolve_device(cfg.device) if cfg.cache else HOST
     tokenizer = models.load_tokenizer(cfg.model)  # the inputs load before anything is removed
-    student = load_student(cfg.student_spec(), cfg.adapter)
+    student = load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device))  # eager on XLA, as eval
     out = _prepare_out(cfg, entries)
     report: dict = {**owner_stamp(EXPORT_KIND), "config": asdict(cfg), "complete": True,
                     "quant_config": quant_config_dict(get_preset(cfg.quant))}
     if cfg.adapter:
-        student, report["adapter"] = _carry_adapter(cfg, student, out, tokenizer, log)
+        student, report["adapter"] = _carry_adapter(cfg, student, out, tokenizer, log, device)
     report["bits_per_weight"] = bits_per_weight(student)
     report["bytes"] = byte_breakdown(student)
     if cfg.format in ("packed", "both"):

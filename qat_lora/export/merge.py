@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from qat_lora.cache.reader import KDCache
+from qat_lora.runtime import device as dev
 from qat_lora.train.metrics import kd_metrics
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.lora_layer import dense_merge, lora_delta, requantize_
@@ -68,18 +69,32 @@ def merge_full_(peft_model) -> nn.Module:
     return model
 
 
-def heldout_metrics(model, cache_dir: str, batch_size: int) -> dict:
-    """KL to the teacher, soft CE and perplexity (exp of the hard CE) on the cache's held-out split."""
-    m = kd_metrics(model, KDCache(cache_dir), batch_size, torch.device("cpu"))
-    return {"kd_kl": m["kd_kl"], "kd_soft_ce": m["kd_soft_ce"], "ppl": math.exp(m["kd_ce"])}
+HOST = torch.device("cpu")
 
 
-def student_and_base_metrics(peft_model, cache_dir: str, batch_size: int) -> dict:
-    """Held-out metrics of the trained student (adapter on) and of its quantised base (adapter off)."""
-    student = heldout_metrics(peft_model, cache_dir, batch_size)
-    with peft_model.disable_adapter():
-        base = heldout_metrics(peft_model, cache_dir, batch_size)
+def heldout_metrics(model, cache_dir: str, batch_size: int, device: torch.device = HOST,
+                    amp_dtype: torch.dtype | None = None) -> dict:
+    """KL to the teacher, soft CE and perplexity (exp of the hard CE) on the cache's held-out split: eval's
+    kd_metrics with its forwards on `device` under `amp_dtype` autocast (precision.autocast_dtype); the model is
+    back on the host when it returns."""
+    with dev.model_on(model, device):
+        return _heldout(model, cache_dir, batch_size, device, amp_dtype)
+
+
+def student_and_base_metrics(peft_model, cache_dir: str, batch_size: int, device: torch.device = HOST,
+                             amp_dtype: torch.dtype | None = None) -> dict:
+    """Held-out metrics of the trained student (adapter on) and of its quantised base (adapter off), as
+    `heldout_metrics` (one move to `device` and back for both)."""
+    with dev.model_on(peft_model, device):
+        student = _heldout(peft_model, cache_dir, batch_size, device, amp_dtype)
+        with peft_model.disable_adapter():
+            base = _heldout(peft_model, cache_dir, batch_size, device, amp_dtype)
     return {"student": student, "base": base}
+
+
+def _heldout(model, cache_dir: str, batch_size: int, device: torch.device, amp_dtype: torch.dtype | None) -> dict:
+    m = kd_metrics(model, KDCache(cache_dir), batch_size, device, amp_dtype=amp_dtype)
+    return {"kd_kl": m["kd_kl"], "kd_soft_ce": m["kd_soft_ce"], "ppl": math.exp(m["kd_ce"])}
 
 
 def recovery_verdict(measured: dict, merged: dict, name: str) -> dict:

@@ -1,7 +1,7 @@
 """Which device a run uses and how work reaches it: --device resolved and this process bound to it, graph cuts and
-step closures, seeds, the memory figure, moving a model there (tied parameters kept tied), batched device-to-host
-transfers (to_host), the input pipeline (device_batches: ParallelLoader on XLA), and what an op or checkpointing
-lowers to on each device.
+step closures, seeds, the memory figure, moving a model there (tied parameters kept tied) and back (model_on),
+batched device-to-host transfers (to_host), the input pipeline (device_batches: ParallelLoader on XLA), and what an
+op or checkpointing lowers to on each device.
 
 Components stay device-agnostic and call these helpers. Precision and autocast live in precision.py, the XLA
 runtime (torch_xla on demand, compile counters and cache, every private torch_xla call) in xla.py, the host
@@ -138,6 +138,21 @@ def move_model_(model: torch.nn.Module, device: torch.device,
         if on_module is not None:
             on_module(module)
     return model
+
+
+@contextlib.contextmanager
+def model_on(model: torch.nn.Module, device: torch.device) -> Iterator[torch.nn.Module]:
+    """`model` on `device` inside the block (move_model_), back on the host after it, an error included; a no-op
+    on the CPU. For a stage that computes on the device but packs and writes on the host (export's held-out
+    report): the host computes everything the files hold, so they are the same bytes whatever the device."""
+    if device.type == "cpu":
+        yield model
+        return
+    move_model_(model, device)
+    try:
+        yield model
+    finally:
+        move_model_(model, torch.device("cpu"))
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
