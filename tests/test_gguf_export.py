@@ -255,9 +255,10 @@ def test_float_zero_domain_gradients_and_none_zero_stays_zero():
     assert not layer.zero.any() and not torch.equal(layer.scale.detach(), start)  # the scales did train
 
 
-def test_q4_1_offsets_survive_the_packed_export(teacher_dir, tmp_path):
-    student = _trained_student(teacher_dir, "q4_1")
-    save_packed(student, tmp_path, get_preset("q4_1"))
+@pytest.mark.parametrize("preset", ["q4_1", "w3g64f"])
+def test_float_offsets_survive_the_packed_export(preset, teacher_dir, tmp_path):
+    student = _trained_student(teacher_dir, preset)
+    save_packed(student, tmp_path, get_preset(preset))
     for name, layer in _layers(load_packed(tmp_path)).items():
         assert torch.equal(layer.quantized_weight(), student.get_submodule(name).quantized_weight()), name
 
@@ -267,7 +268,6 @@ def test_q4_1_offsets_survive_the_packed_export(teacher_dir, tmp_path):
     (dict(zero_domain="float", symmetric=True), "'float' scheme='int' and symmetric=False"),
     (dict(zero_domain="float", scheme="lut"), "zero_domain='float'"),
     (dict(init="ggml"), "ggml needs zero_domain float or none"),
-    (dict(zero_domain="float", init="mse"), "zero_domain float takes init rtn or ggml"),
     (dict(zero_domain="half"), "zero_domain='half'"),
 ])
 def test_zero_domain_config_errors(kwargs, match):

@@ -1,6 +1,7 @@
 """The quantiser objects (quant/quantizer/): one grid per scheme, asked by every module instead of a branch on
 the scheme's name; their pieces (forward, codes, decoding, GPTQ's column rounding, storage cost) agree."""
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,9 @@ def test_grid_names_and_export_capabilities():
     assert "offset" in quantizer_for(PRESETS["q4_1"]).compressed_tensors_reason()
     assert "codebook" in quantizer_for(PRESETS["lut3g64"]).compressed_tensors_reason()
     assert not quantizer_for(PRESETS["q4_k"]).clip_search and quantizer_for(PRESETS["w3g64"]).clip_search
+    assert not quantizer_for(PRESETS["q4_1"]).clip_search  # llama.cpp's own min/max init stays
+    assert all(quantizer_for(PRESETS[n]).reconstructable for n in ("w3g64", "w2g32", "lut3g64"))
+    assert not any(quantizer_for(PRESETS[n]).reconstructable for n in ("q4_0", "q8_0", "q4_1", "q2_k", "q4_k"))
 
 
 @pytest.mark.parametrize("name", ["lut3g64", "q4_k"])
@@ -87,3 +91,48 @@ def test_gptq_on_a_fixed_grid_needs_the_layers_parameters(name):
 
     with pytest.raises(ValueError, match="params=layer.quant_parameters"):
         gptq_quantize(torch.randn(8, 256), torch.eye(256), PRESETS[name], PRESETS[name].group_size)
+
+
+def test_float_offsets_start_on_the_integer_grid_and_move_continuously():
+    # w3g64f: the integer grid's clipping search, its zero stored as the fp16 offset m = s * (qmin - z)
+    w = torch.randn(32, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    searched = {}
+    for zero_domain in ("int", "float"):
+        linear = nn.Linear(256, 32, bias=False)
+        linear.weight.data.copy_(w)
+        searched[zero_domain] = FakeQuantLinear.from_linear(linear, QuantConfig(bits=3, zero_domain=zero_domain,
+                                                                                init="mse"))
+    int_layer, float_layer = searched["int"], searched["float"]
+    assert type(float_layer.quantizer) is OffsetQuantizer
+    assert torch.equal(int_layer.scale, float_layer.scale)
+    assert (int_layer.codes() == float_layer.codes()).float().mean() > 0.99  # only fp16(m) near a rounding tie
+    err = {k: (m.quantized_weight() - w).norm() / w.norm() for k, m in searched.items()}
+    assert err["float"] <= err["int"] * 1.01
+    # a nudge of a tenth of a step: the rounded integer zero ignores it, the offset follows it
+    for layer, nudge in ((int_layer, 0.1), (float_layer, 0.1 * float_layer.scale)):
+        before = layer.quantized_weight().clone()
+        with torch.no_grad():
+            layer.zero.add_(-nudge if layer is float_layer else 0.1)
+        moved = (layer.quantized_weight() - before).abs().max()
+        assert (moved > 0) == (layer is float_layer)
+
+
+def test_gptq_on_float_offsets_lands_on_the_grid_as_well_as_on_integer_zeros():
+    from qat_lora.quant.gptq import gptq_quantize
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 256, generator=g) * 0.05
+    x = torch.randn(512, 256, generator=g) @ (torch.randn(256, 256, generator=g) / 16)
+    h = 2.0 * x.T @ x / 512
+    errors = {}
+    for name in ("w3g64", "w3g64f"):
+        cfg = replace(PRESETS[name], init="mse")
+        result = gptq_quantize(w, h, cfg, 64)
+        layer = _layer(cfg, 256)
+        with torch.no_grad():
+            for key, value in result.items():
+                getattr(layer, key).copy_(value)
+        assert torch.equal(layer.quantized_weight(), result["weight"])  # on the grid: training continues from it
+        delta = w - result["weight"]
+        errors[name] = float(((delta @ h) * delta).sum())
+    assert errors["w3g64f"] <= errors["w3g64"] * 1.02

@@ -75,7 +75,8 @@ class QuantConfig:
     scale_rank: int = field(default=0, metadata={"help": "rank r of low-rank scale factors s * (1 + A @ B); 0 = none"})
     # rtn is the default because it measured better: on SmolLM2-135M w3g64, weight-MSE clipping gave Wikipedia
     # ppl 51.9 vs 46.5 for min/max (docs/BENCHMARKS.md); clipping outlier weights costs more than it saves.
-    init: str = field(default="rtn", metadata={"help": "rtn (min/max, uniform LUT), mse (clipping search, k-means LUT) "
+    init: str = field(default="rtn", metadata={"help": "rtn (min/max, uniform LUT; zero_domain float: the group's min as "
+                      "offset), mse (clipping search, k-means LUT) "
                       "or hqq (int: half-quadratic robust fit of zero, then scale, data-free; lut: k-means, as mse) "
                       "or ggml (llama.cpp's own round-to-nearest for its block types: needs zero_domain float or none, or scheme "
                       "kquant: llama.cpp's scale and min search)"})
@@ -104,9 +105,9 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.zero_domain={self.zero_domain!r}: 'none' needs scheme='int' and symmetric=True, "
                              "'float' scheme='int' and symmetric=False")
         ggml_int = self.init == "ggml" and self.zero_domain == "int" and not rules.kquant_types
-        if ggml_int or (self.zero_domain == "float" and self.init in ("mse", "hqq")):
+        if ggml_int:
             raise ValueError(f"QuantConfig.init={self.init!r} with zero_domain={self.zero_domain!r}: ggml needs zero_domain "
-                             "float or none; zero_domain float takes init rtn or ggml (both min/max)")
+                             "float or none (or scheme kquant)")
         if rules.kquant_types:
             self._check_kquant()
         if self.scale_rank < 0:
@@ -167,6 +168,13 @@ PRESETS: dict[str, QuantConfig] = {
     "w4g32": QuantConfig(bits=4, group_size=32),
     "w4g64": QuantConfig(bits=4, group_size=64),
     "w4pc": QuantConfig(bits=4, group_size=None),
+    # The same grids with each group's zero an fp16 offset m (Wq = s * q + m, llama.cpp Q4_1's "min") instead of an
+    # integer: the same stored bits (both fp16 per group), and QAT (--preset qat / weight-qat) moves m continuously
+    # where an integer zero moves by whole grid steps. A data-aware init searches the integer zero, then stores it
+    # as m = s * (qmin - z) (inits.int_scale_zero); rtn is the group's min/max.
+    "w2g64f": QuantConfig(bits=2, group_size=64, zero_domain="float", init="mse"),
+    "w3g64f": QuantConfig(bits=3, group_size=64, zero_domain="float"),
+    "w4g64f": QuantConfig(bits=4, group_size=64, zero_domain="float"),
     "w8pc": QuantConfig(bits=8, group_size=None),
     # llama.cpp's block types (ggml-quants.c): trained on exactly the grid the GGUF export stores, so that export is
     # bit-exact. Q8_0: w = d * q, q in [-128, 127]; Q4_0: w = d * (c - 8), c in [0, 15]; Q4_1: w = d * c + m; fp16 d, m.

@@ -132,14 +132,19 @@ def ggml_scale_zero(weight: torch.Tensor, bits: int, group_size: int, zero_domai
 
 def int_scale_zero(weight: torch.Tensor, bits: int, symmetric: bool, group_size: int, init: str = "rtn",
                    zero_domain: str = "int", importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int grid's initial (scale, zero) for QuantConfig.init / zero_domain ([out, groups] each)."""
-    if init == "ggml" or zero_domain == "float":  # a float offset has one init: min/max, llama.cpp's Q4_1
+    """The int grid's initial (scale, zero) for QuantConfig.init / zero_domain ([out, groups] each).
+
+    zero_domain float: rtn / ggml are llama.cpp's Q4_1 min/max (m = the group's min); mse / hqq search an integer
+    zero as for the int grid and store the same grid points as an fp16 offset m = fp16(s * (qmin - z)), which a
+    trained offset then moves continuously (only m's fp16 rounding differs from the integer grid)."""
+    if init == "ggml" or (zero_domain == "float" and init == "rtn"):
         return ggml_scale_zero(weight, bits, group_size, "float" if zero_domain == "float" else "none")
-    if init == "mse":
-        return mse_scale_zero(weight, bits, symmetric, group_size, importance)
-    if init == "hqq":
-        return hqq_scale_zero(weight, bits, symmetric, group_size, importance)
-    return rtn_scale_zero(weight, bits, symmetric, group_size)
+    search = {"mse": mse_scale_zero, "hqq": hqq_scale_zero}.get(init)
+    scale, zero = (search(weight, bits, symmetric, group_size, importance) if search
+                   else rtn_scale_zero(weight, bits, symmetric, group_size))
+    if zero_domain == "float":
+        return scale, snap_fp16(scale * (_int_range(bits, symmetric)[0] - zero))
+    return scale, zero
 
 
 def _int_range(bits: int, symmetric: bool) -> tuple[int, int]:

@@ -20,16 +20,23 @@ class Quantizer:
 
     #: the scheme's name in a QuantConfig
     scheme: ClassVar[str]
-    #: the data-aware inits (GPTQ, the activation-weighted init) may fit its group scales by the clipping search
-    clip_search: ClassVar[bool] = True
-    #: block-wise reconstruction can train it and snap it back onto an fp16-exact grid
-    reconstructable: ClassVar[bool] = True
 
     def __init__(self, cfg: QuantConfig, group_size: int | None) -> None:
         self.cfg, self.group_size = cfg, group_size  # group_size None: per channel of a width not yet known
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
+
+    @property
+    def clip_search(self) -> bool:
+        """Whether the data-aware inits (GPTQ, the activation-weighted init) may fit its group scales by the
+        clipping search (init mse)."""
+        return True
+
+    @property
+    def reconstructable(self) -> bool:
+        """Whether block-wise reconstruction can train it and snap it back onto an fp16-exact grid."""
+        return True
 
     @property
     def name(self) -> str:

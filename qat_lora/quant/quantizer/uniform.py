@@ -14,6 +14,10 @@ class IntQuantizer(_GroupScaled):
 
     scheme = "int"
 
+    @property
+    def reconstructable(self) -> bool:  # Q8_0 / Q4_0's scale can be negative (ggml init): block-wise keeps s > 0
+        return self.cfg.zero_domain == "int"
+
     def _own_shapes(self, out_features: int, groups: int) -> dict[str, tuple[int, ...]]:
         return {"zero": (out_features, groups)}
 
@@ -128,10 +132,15 @@ class IntQuantizer(_GroupScaled):
 
 class OffsetQuantizer(IntQuantizer):
     """Uniform grid with an fp16 offset m instead of an integer zero (llama.cpp's Q4_1 "min"): Wq = s * q + m,
-    q >= 0. Its one init is min/max (llama.cpp's)."""
+    q >= 0. Init rtn / ggml: the group's min/max (llama.cpp's); mse / hqq: the integer grid's search, its zero
+    stored as the offset s * (qmin - z). Training moves m continuously, where an integer zero moves by whole steps
+    (the same stored bits: both are fp16 per group)."""
 
-    clip_search = False  # min/max is the grid's only init
     reconstructable = False
+
+    @property
+    def clip_search(self) -> bool:  # llama.cpp's own init (q4_1) stays; an integer search converts (inits.py)
+        return self.cfg.init != "ggml"
 
     def _zero(self, zero: torch.Tensor) -> torch.Tensor:
         return _fp16_ste(zero)
