@@ -105,7 +105,7 @@ def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None], progre
         # Both data-aware inits fit group scales by the (weighted) clipping search, which is how the activation
         # weights act; under GPTQ min/max scales measured far worse (a probe on SmolLM2 w3g64, 32 calibration
         # sequences: 52.5 ppl vs 29.0; docs/RESULTS.md), as the error feedback widens each group's range.
-        # K-quants and q4_1's float offsets keep their own init: their grids admit llama.cpp's min/max only.
+        # K-quants and llama.cpp's own init (q4_1's ggml min/max) keep theirs (Quantizer.clip_search).
         preset = replace(preset, init="mse")
     device = dev.resolve_device(cfg.device)  # where each decoder layer runs in turn; the model stays on the host
     if cfg.init == "act":
@@ -122,7 +122,8 @@ def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None], progre
         teacher = models.load_causal_lm(cfg.model)
         report["blockwise"] = reconstruct_blocks_(
             model, teacher, batches, steps=cfg.blockwise_steps, lr_weights=cfg.blockwise_lr,
-            lr_quant=cfg.blockwise_quant_lr, batch_size=cfg.batch_size, state_dir=out / BLOCKS_DIR, log=log)
+            lr_quant=cfg.blockwise_quant_lr, batch_size=cfg.batch_size, state_dir=out / BLOCKS_DIR, device=device,
+            log=log)
     report["seconds"] = round(time.perf_counter() - started, 2)
     broken = next((name for name, p in quantizer_state_dict(model).items() if not torch.isfinite(p).all()), None)
     if broken is not None:  # never save a student that evaluates to NaN

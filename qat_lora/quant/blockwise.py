@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from qat_lora.quant import blocks
+from qat_lora.runtime import device as dev
 from qat_lora.runtime.files import atomic_write_json, save_safetensors
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.inits import SCALE_FLOOR
@@ -126,6 +127,7 @@ def _train_block_(layer: nn.Module, modules: list[FakeQuantLinear], inputs: torc
     optimizer = torch.optim.AdamW([{"params": weights, "lr": lr_weights}, {"params": quantizer, "lr": lr_quant}],
                                   weight_decay=0.0)
     device, dtype = weights[0].device, weights[0].dtype
+    kwargs = blocks.on_device(kwargs, device)  # the rotary tables and mask, once (captured on the host)
     order = torch.empty(0, dtype=torch.long)
     for p in (*weights, *quantizer):
         p.requires_grad_(True)  # trains() turns True: each forward rebuilds Wq from the updated tensors
@@ -144,6 +146,7 @@ def _train_block_(layer: nn.Module, modules: list[FakeQuantLinear], inputs: torc
                 with torch.no_grad():  # a scale through 0 would flip its group's sign; keep it positive
                     for m in modules:
                         m.scale.clamp_(min=SCALE_FLOOR)
+                dev.sync(device)  # XLA: one graph per step (the same graph every step), no host read
     finally:
         for p in (*weights, *quantizer):
             p.requires_grad_(False)
@@ -218,7 +221,8 @@ def _done_blocks(state_dir: Path | None, settings: dict) -> list[dict]:
 
 def reconstruct_blocks_(student: nn.Module, teacher: nn.Module, calibration_batches: list[torch.Tensor], *,
                         steps: int, lr_weights: float, lr_quant: float, batch_size: int,
-                        state_dir: Path | None = None, seed: int = 0, log: Callable[[str], None] = print) -> dict:
+                        state_dir: Path | None = None, seed: int = 0, device: torch.device | str | None = None,
+                        log: Callable[[str], None] = print) -> dict:
     """Block-AP over a student already through `quantize_` (and possibly `gptq_`), in place, block by block.
 
     Args:
@@ -231,6 +235,8 @@ def reconstruct_blocks_(student: nn.Module, teacher: nn.Module, calibration_batc
         state_dir: if given, block i is saved as `block-{i:03d}.safetensors` (its `quantizer_state_dict` entries,
             with codes) + `progress.json`; a rerun loads the saved blocks instead of training them again.
         seed: block i draws its mini-batches from a generator seeded with seed + i.
+        device: where block i of the student and of the teacher run and train while block i is reconstructed
+            (None: where they are); the rest of both models, the samples and the saved state stay on the host.
     Returns:
         {"blocks": [{"index", "loss_before", "loss_after", "seconds", "resumed"}], "seconds": total}: losses are
         the MSE over all samples of the block's output against the teacher's, before and after training.
@@ -250,9 +256,14 @@ def reconstruct_blocks_(student: nn.Module, teacher: nn.Module, calibration_batc
         targets, teacher_kwargs = _embed(teacher, ids, batch_size)
         report = []
         for index, (layer, teacher_layer) in enumerate(pairs):
+            homes = [next(m.parameters()).device for m in (layer, teacher_layer)]
+            for m in (layer, teacher_layer):
+                m.to(torch.device(device) if device is not None else next(m.parameters()).device)
             targets = _run(teacher_layer, targets, teacher_kwargs[index], batch_size)  # t_{i+1} = block_fp,i(t_i)
             entry = _reconstruct_block_(student, layer, index, inputs, targets, kwargs[index], done, state_dir,
                                         settings, generator=torch.Generator().manual_seed(seed + index))
+            for m, home in zip((layer, teacher_layer), homes):
+                m.to(home)
             inputs = entry.pop("outputs")  # x_{i+1} = block_q,i(x_i), no grad
             report.append(entry)
             if state_dir is not None and not entry["resumed"]:
