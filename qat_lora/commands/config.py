@@ -12,11 +12,12 @@ from qat_lora.data.config import TextInput
 from qat_lora.data.models import model_context
 from qat_lora.data.text import list_text_files
 from qat_lora.runtime.files import check_out_apart_from_inputs
-from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check_output_file, paths_as_flags,
-                                      refuse_unused_flags, require_at_most, require_non_negative, require_positive,
-                                      require_seed)
+from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check_output_file, explicit_fields,
+                                      paths_as_flags, refuse_unused_flags, require_at_most, require_non_negative,
+                                      require_positive, require_seed)
 from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.cache.encodings import encoding_from_flags
+from qat_lora.commands.budget import BUDGET_PRESETS, BUDGET_RANKS
 from qat_lora.quant.fake_quant import get_preset
 from qat_lora.train.config import StudentSpec, check_adapter, check_lora_init
 
@@ -103,7 +104,8 @@ class QuantizeConfig(StudentSpec, DeviceInput):
                                                             "blocks/ (block-wise progress)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing init in --out"})
     device: str = DeviceInput.device_field(": each decoder layer runs there in turn while the model stays on the host "
-                                           "(GPTQ's column loop: on CUDA there, else on the host)")
+                                           "(GPTQ's column loop: on CUDA there, else on the host; block-wise "
+                                           "reconstruction's steps there too)")
 
     def __post_init__(self) -> None:
         paths_as_flags(self)
@@ -165,6 +167,13 @@ class RecoverConfig(StudentSpec, DeviceInput):
 
     cache: str = field(default="caches/kd", metadata={"help": "KD cache: targets for every stage, and calibration"})
     out: str = field(default="runs/recover", metadata={"help": "run folder: init/, qat/, lora/ and recover.json"})
+    # Chosen on the model's own shapes before stage 1 (commands/budget.py: choose_budget) and recorded in
+    # recover.json; the chosen --quant, --lora-r, --lora-steps and --qat then run as if typed.
+    budget_bits: float = field(default=0.0, metadata={
+        "help": "ship within this many bits per quantised weight, base + unmerged adapter, counted on --model: "
+                f"--quant is the one of {' '.join(BUDGET_PRESETS)} with the most bits that fit, --lora-r the "
+                f"largest of {' '.join(map(str, BUDGET_RANKS))} that fits beside it; when none fits, no adapter "
+                "and --qat weight-qat (0 = off: --quant and --lora-r as given)"})
     init: str = field(default="gptq", metadata={"help": "stage 1, data-aware init: gptq, act or none"})
     # 128: 512 and 1,024 sequences were no better on the held-out split, on the corpus or on teacher text, at 3-6x
     # the time (SmolLM2 w3g64; docs/RESULTS.md, "GPTQ calibration size").
@@ -216,7 +225,9 @@ class RecoverConfig(StudentSpec, DeviceInput):
         require_non_negative(self, "lora_steps", "save_steps", "blockwise_steps")
         if isinstance(self.lr, (int, float)):  # RecoverConfig(lr=1e-3) from Python: one rate, no probe
             self.lr = [float(self.lr)]
-        if not self.lr:  # resolved here, so recover.json and a rerun see the rates that were probed
+        # Resolved here, so recover.json and a rerun see the rates that were probed; with --budget-bits once the
+        # budget has chosen the rank (recover resolves it into a config of its own).
+        if not self.lr and not self.budget_bits:
             self.lr = lora_probe_rates(self.lora_r)
         if len(set(self.lr)) != len(self.lr):
             raise ValueError(f"--lr {' '.join(f'{x:g}' for x in self.lr)}: a rate is repeated; list each once")
@@ -227,6 +238,11 @@ class RecoverConfig(StudentSpec, DeviceInput):
         require_positive(self, *rates, finite=True)
         require_at_most(self, **dict.fromkeys(rates, MAX_LR))
         require_non_negative(self, "lr_probe_steps")
+        require_non_negative(self, "budget_bits", finite=True, note=" (0 = off)")
+        both = sorted(explicit_fields(self) & {"quant", "lora_r"})
+        if self.budget_bits and both:
+            raise ValueError(f"--budget-bits with --{both[0].replace('_', '-')}: pass --budget-bits or "
+                             "--quant/--lora-r, not both")
         require_seed(self.seed)
         self.check_device()  # it reaches the device only in stage 2, after the init has run
         _own_init(self, "recover", "recover builds its own init; to start from a trained quantiser use qat-lora "
@@ -239,9 +255,11 @@ class RecoverConfig(StudentSpec, DeviceInput):
         unused = {}
         if not self.blockwise_steps:
             unused.update(dict.fromkeys(("blockwise_lr", "blockwise_quant_lr"), "--blockwise-steps > 0"))
-        if self.qat == "none":
+        # A budget with no room for an adapter runs --qat weight-qat, so its flags may be used.
+        qat = "weight-qat" if self.qat == "none" and self.budget_bits else self.qat
+        if qat == "none":
             unused.update(dict.fromkeys(("qat_steps", "qat_lr", "weight_lr"), "--qat weight-qat or qat (stage 2)"))
-        elif self.qat != "weight-qat":
+        elif qat != "weight-qat":
             unused["weight_lr"] = f"--qat weight-qat (--qat {self.qat} trains no weights)"
         if not self.lora_steps:
             unused.update(dict.fromkeys(("lr", "lr_probe_steps", "lora_r", "lora_init"),

@@ -12,6 +12,7 @@
                                                                    held-out KD loss of the cache chooses stage 3's
         runs/w2g64/lora/   a train run (recovery-lora)             stage 3: LoRA over the stage-2 student
         runs/w2g64/recover.json                                    what to load: --quantizer and --adapter
+                                                                   (and, with --budget-bits, what the budget chose)
 
 Stage 2, when asked for, leaves every weight on its grid (codes in quantizer.safetensors), so the low-bit export keeps the
 recovery; stage 3 adds adapters that a runtime applies next to the quantised base (or `--lora-steps 0`).
@@ -22,10 +23,11 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
+from qat_lora.commands.budget import BUDGET_RANKS, choose_budget
 from qat_lora.commands.config import QuantizeConfig, RecoverConfig
 from qat_lora.train.config import StudentSpec, TrainConfig
 from qat_lora.data import models
@@ -215,16 +217,33 @@ def _choose_lr(cfg: RecoverConfig, quantizer: str, start: str, log: Callable[[st
     return best, scores
 
 
+def _resolve_budget(cfg: RecoverConfig, log: Callable[[str], None]) -> tuple[RecoverConfig, dict | None]:
+    """--budget-bits: the config with the budget's choice (commands/budget.py) in --quant, --lora-r, --lora-steps
+    and --qat, as if typed, and recover.json's record of the choice; cfg itself and None without a budget. Chosen
+    on --model's shapes alone (no weight loads), the same on every rerun, so a rerun finds its finished stages."""
+    if not cfg.budget_bits:
+        return cfg, None
+    ranks = BUDGET_RANKS if cfg.lora_steps else ()  # --lora-steps 0 asks for no adapter: the budget picks the base
+    choice = choose_budget(cfg.budget_bits, models.linear_shapes(cfg.model), ranks=ranks)
+    log(choice.describe())
+    if choice.lora_r is None:  # no room for an adapter: train the weights on the grid, unless --qat says otherwise
+        return replace(cfg, budget_bits=0.0, quant=choice.preset, lora_steps=0,
+                       qat="weight-qat" if cfg.qat == "none" else cfg.qat), choice.record()
+    # cfg.lr is empty unless typed: the rates are then the default probe at the chosen rank (RecoverConfig)
+    return replace(cfg, budget_bits=0.0, quant=choice.preset, lora_r=choice.lora_r), choice.record()
+
+
 def recover(cfg: RecoverConfig, log: Callable[[str], None] = print) -> dict:
     """Run the stages cfg asks for; returns (and writes to out/recover.json) what to load afterwards. Each stage
     refuses a sub-folder it did not write; the whole --out is held against a second recover meanwhile."""
+    cfg, budget = _resolve_budget(cfg, log)  # before --out is touched: a budget too small is one line
     require_folder(cfg.out, "the recovery run")
     check_out_apart_from_inputs(cfg.out, {"--model": cfg.model, "--cache": cfg.cache})
     with FolderLock(cfg.out):
-        return _recover(cfg, log)
+        return _recover(cfg, log, budget)
 
 
-def _recover(cfg: RecoverConfig, log: Callable[[str], None]) -> dict:
+def _recover(cfg: RecoverConfig, log: Callable[[str], None], budget: dict | None = None) -> dict:
     probes = [_probe_folder(lr) for lr in cfg.lr] if cfg.lora_steps and len(cfg.lr) > 1 else []
     for stage in ("qat", "lora", *probes):  # before stage 1's minutes of work: a folder no run wrote is refused
         check_run_folder(Path(cfg.out) / stage)
@@ -246,7 +265,7 @@ def _recover(cfg: RecoverConfig, log: Callable[[str], None]) -> dict:
         adapter = stages["lora"] = lora["adapter"]
     summary = {**owner_stamp("recover"), "quantizer": quantizer, "adapter": adapter or None, "stages": stages,
                "lr": lr, "lr_probe": {f"{k:g}": (v if math.isfinite(v) else None) for k, v in probe.items()},
-               "config": asdict(cfg),
+               "budget": budget, "config": asdict(cfg),
                "eval": f"qat-lora eval --model {cfg.model} --quant {cfg.quant} --quantizer {quantizer}"
                        + (f" --adapter {adapter}" if adapter else "") + " --text <held-out text>"}
     atomic_write_json(Path(cfg.out) / SUMMARY_FILE, summary)

@@ -222,6 +222,27 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     return model.eval()
 
 
+def linear_shapes(name_or_path: str | Path) -> dict[str, tuple[int, int]]:
+    """{module name: (out_features, in_features)} of every nn.Linear of the model, from its config alone: the model
+    is built on the meta device, so no weight is read or allocated (an 8B model's shapes in about a second).
+
+    Raises:
+        ValueError: as load_causal_lm, for a path that is not a model or a config that does not load.
+    """
+    xla.keep_torch_xla_unloaded()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    location, kwargs = _location(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(location, **kwargs)
+    except OSError as e:
+        raise ValueError(f"model {name_or_path}: cannot load its config ({first_line(e)})") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # type(...) is nn.Linear: what quantize_ replaces (not a subclass such as an already quantised layer)
+    return {name: (m.out_features, m.in_features) for name, m in model.named_modules() if type(m) is nn.Linear}
+
+
 class _HeldReport(logging.Filter):
     """Holds back transformers' load report (weights missing, unexpected or of another shape: a table of
     dozens of lines) while a model loads, so that a mismatch ends in one line."""

@@ -1,7 +1,8 @@
 """What every command's config shares: the generic checks its `__post_init__` runs (value ranges, seeds, device
 and precision names, a results file), the --device / --precision flags that several configs declare
 (`DeviceInput`, `PrecisionInput`), the refusal of typed flags that do nothing under the chosen options
-(`flags_given`, `refuse_unused_flags`), and a config's defaults and command line (`field_defaults`, `to_argv`).
+(`flags_given`, `refuse_unused_flags`), the fields a caller chose (`explicit_fields`), and a config's defaults
+and command line (`field_defaults`, `to_argv`).
 
 A mistake is one line in milliseconds, before any model loads, instead of a traceback or an error after minutes.
 The checks that read a stage's own files live beside that stage's config (data/config.py, cache/config.py,
@@ -173,6 +174,16 @@ def given_flags(cfg) -> frozenset[str]:
     """The fields of `cfg` whose flags the user typed (empty for a config built in Python)."""
     current = _GIVEN.get()
     return current[1] if current is not None and type(cfg) is current[0] else frozenset()
+
+
+def explicit_fields(cfg) -> frozenset[str]:
+    """The fields the caller chose: the typed flags of a config built from a command line; for one built in
+    Python, which has no typed flags, those that differ from their defaults (what two options that exclude each
+    other, such as recover's --budget-bits and --quant, are told apart by)."""
+    current = _GIVEN.get()
+    if current is not None and type(cfg) is current[0]:
+        return current[1]
+    return frozenset(name for name, default in field_defaults(type(cfg)).items() if getattr(cfg, name) != default)
 
 
 def refuse_unused_flags(cfg) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -189,8 +190,21 @@ def save_artifacts(model, preset: str, folder: Path, codes: bool = False,
     return paths
 
 
+LORA_ENTRY_BITS = 16  # an unmerged adapter ships beside the low-bit base in fp16 (PEFT's files, GGUF's LoRA)
+
+
+def lora_bits_per_weight(shapes: Iterable[tuple[int, int]], r: int) -> float:
+    """What a rank-r LoRA adapter over linears of these (out, in) shapes adds to the base's bits per weight when it
+    ships unmerged: A [r, in] and B [out, r], r (m + n) fp16 entries on an m x n layer, per quantised weight. From
+    the shapes alone (recover --budget-bits chooses a rank before any weight loads); adapter_bits_per_weight
+    counts the same on a built student."""
+    shapes = list(shapes)
+    return LORA_ENTRY_BITS * r * sum(m + n for m, n in shapes) / max(1, sum(m * n for m, n in shapes))
+
+
 def adapter_bits_per_weight(model: torch.nn.Module) -> float:
     """What an unmerged LoRA adapter adds to the base's bits per weight (quant.state.bits_per_weight) when it ships
-    beside the low-bit base: its fp16 entries per quantised weight (0 without one). Rank r on an m x n layer costs
-    16 r (m + n) / (m n) bits."""
-    return 16 * sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / quantised_weight_count(model)
+    beside the low-bit base: its fp16 entries per quantised weight (0 without one); rank r over the model's
+    quantised linears: lora_bits_per_weight(their shapes, r)."""
+    entries = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return LORA_ENTRY_BITS * entries / quantised_weight_count(model)

@@ -1,0 +1,101 @@
+"""`qat-lora recover --budget-bits B`: the quantisation preset and LoRA rank whose student ships within B bits per
+quantised weight (the base plus its unmerged adapter), counted on the model's own linear shapes.
+
+    choice = choose_budget(4.3, models.linear_shapes("smollm2-135m"))   # from the config: no weight loads
+    choice.preset, choice.lora_r, choice.total_bits                      # "w3g64", 16, 4.2361...
+
+The two counts are the toolkit's own, from shapes instead of a built model: the base's is each quantised linear's
+`quantizer_for(cfg, group).storage_bits(out, in)` (what quant.state.bits_per_weight sums), the adapter's
+train.student.lora_bits_per_weight (what adapter_bits_per_weight measures).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from qat_lora.quant.config import get_preset
+from qat_lora.quant.quantizer import quantizer_for
+
+# The bases a budget chooses among, and the adapter ranks; each list is tried from the most bits down.
+BUDGET_PRESETS = ("w2g64", "w3g64", "w4g64", "w8pc")
+BUDGET_RANKS = (64, 32, 16, 8)
+
+Shapes = dict[str, tuple[int, int]]  # {linear's module name: (out_features, in_features)}
+
+
+def base_bits(preset: str, shapes: Shapes) -> tuple[float, Shapes] | None:
+    """Bits per quantised weight of `preset`'s base on linears of these shapes and the shapes it quantises, each
+    layer's config chosen as quantize_ chooses it (for_module, then for_width's K-quant fallback; per-channel =
+    a group of in_features); None when a group does not divide a layer's width (quantize_ refuses that model)."""
+    cfg, bits, quantised = get_preset(preset), 0, {}
+    for name, (out_features, in_features) in shapes.items():
+        layer = cfg.for_module(name)
+        if layer is None:
+            continue
+        layer = layer.for_width(in_features)
+        group = in_features if layer.group_size is None else layer.group_size
+        if in_features % group:
+            return None
+        bits += quantizer_for(layer, group).storage_bits(out_features, in_features)
+        quantised[name] = (out_features, in_features)
+    weights = sum(m * n for m, n in quantised.values())
+    return (bits / weights, quantised) if weights else None
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """What a budget of `bits` per quantised weight ships: `preset`'s base and a rank-`lora_r` adapter (None: none)."""
+
+    bits: float
+    preset: str
+    base_bits: float
+    lora_r: int | None
+    adapter_bits: float
+
+    @property
+    def total_bits(self) -> float:
+        return self.base_bits + self.adapter_bits
+
+    def record(self) -> dict:
+        """recover.json's "budget" entry."""
+        return {**asdict(self), "total_bits": self.total_bits}
+
+    def describe(self) -> str:
+        adapter = f"LoRA r{self.lora_r} {self.adapter_bits:.4f}" if self.lora_r else f"no LoRA {self.adapter_bits:.4f}"
+        return (f"budget {self.bits:g} bits per weight: {self.preset} {self.base_bits:.4f} + {adapter} = "
+                f"{self.total_bits:.4f}")
+
+
+def choose_budget(budget_bits: float, shapes: Shapes, presets: tuple[str, ...] = BUDGET_PRESETS,
+                  ranks: tuple[int, ...] = BUDGET_RANKS) -> BudgetChoice:
+    """The base: the preset with the most bits per weight within the budget, as at equal bytes more code bits won
+    (SmolLM2-135M: w4g64 GPTQ, 15.56 ppl at 4.5 bits, beat every adapter row up to 6.44 bits; docs/RESULTS.md, the
+    frontier). Then the largest rank whose unmerged adapter fits in what is left, among ranks no larger than every
+    quantised layer's smaller side (past it a rank adds bits, not capacity, and the calibrated start cannot fill
+    it). No rank fits: no adapter, and recover trains the weights on the grid instead (weight-qat: 20.38 ppl
+    against GPTQ's 23.96 at 3.5 bits, docs/RESULTS.md).
+
+    Raises:
+        ValueError: a budget below every preset's base on this model, in one line naming the smallest.
+    """
+    bases = {preset: found for preset in presets if (found := base_bits(preset, shapes)) is not None}
+    if not bases:
+        raise ValueError(f"--budget-bits: none of {', '.join(presets)} divides this model's layers into groups")
+    fitting = {preset: found for preset, found in bases.items() if found[0] <= budget_bits}
+    if not fitting:
+        smallest = min(bases, key=lambda preset: bases[preset][0])
+        least = math.ceil(bases[smallest][0] * 1e4) / 1e4  # rounded up, so that passing it fits
+        raise ValueError(f"--budget-bits {budget_bits:g}: below the smallest this model ships at, {smallest}'s "
+                         f"{bases[smallest][0]:.4f} bits per weight; pass --budget-bits {least:g} or more")
+    preset = max(fitting, key=lambda p: fitting[p][0])  # the first of equals, in `presets` order
+    base, quantised = fitting[preset]
+    # Imported here: the CLI's parser imports this module (through commands/config.py), and train.student brings
+    # PEFT, which commands that train nothing (qat-lora plot) must not load.
+    from qat_lora.train.student import lora_bits_per_weight
+
+    narrowest = min(min(shape) for shape in quantised.values())
+    for r in sorted(ranks, reverse=True):
+        adapter = lora_bits_per_weight(quantised.values(), r)
+        if r <= narrowest and base + adapter <= budget_bits:
+            return BudgetChoice(budget_bits, preset, base, r, adapter)
+    return BudgetChoice(budget_bits, preset, base, None, 0.0)
