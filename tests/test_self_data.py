@@ -190,3 +190,55 @@ def test_resume_reads_shards_whose_text_holds_unicode_line_separators(teacher_di
     shard.write_text('{"text": "cut', encoding="utf-8")
     with pytest.raises(ValueError, match="part-00000.jsonl: not a generate-data shard"):
         generate_data(_cfg(teacher_dir, corpus_dir, out, tokens=300), **QUIET)
+
+
+GENERATE_DATA_ON_XLA = """
+import json, sys
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+from qat_lora.data.config import GenerateDataConfig
+from qat_lora.data.teacher_text import generate_data
+from qat_lora.runtime import xla
+
+model, corpus, out = sys.argv[1:4]
+report = {}
+# one batch of 8 new tokens; one of 16 (a new cache size); three of 16 (the same shapes again)
+for tag, new_tokens, budget in (("8x1", 8, 20), ("16x1", 16, 40), ("16x3", 16, 150)):
+    met.clear_all()
+    cfg = GenerateDataConfig(model=model, data=[corpus], out=f"{out}/{tag}", prefix_tokens=8, stride=64,
+                             tokens=budget, max_new_tokens=new_tokens, batch_size=4, shard_samples=12,
+                             device="xla", precision="bf16")
+    done = generate_data(cfg, log=lambda _: None, progress=False)
+    xm.wait_device_ops()
+    report[tag] = {"tokens": done["generated_tokens"], "samples": done["samples"], **xla.compile_metrics()}
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xla
+def test_generate_data_on_xla_compiles_per_cache_size_not_per_token_or_batch(teacher_dir, corpus_dir, tmp_path):
+    # A static KV cache and prompts padded to a bucket: every decode step and every batch of one cache size has the
+    # same shapes. Twice the new tokens (a new cache size, compiled afresh) compile about as many graphs as before,
+    # not one more per token; three more batches of that size compile almost nothing, only executing more.
+    from helpers_xla import on_xla, require_torch_xla
+
+    require_torch_xla()
+    report = on_xla(GENERATE_DATA_ON_XLA, str(teacher_dir), str(corpus_dir), str(tmp_path), timeout=550)
+    one, longer, more = report["8x1"], report["16x1"], report["16x3"]
+    assert more["samples"] > longer["samples"] and more["tokens"] > longer["tokens"] > one["tokens"] > 0, report
+    assert one["graphs_compiled"] > 0 and abs(longer["graphs_compiled"] - one["graphs_compiled"]) <= 4, report
+    assert more["graphs_compiled"] <= 4 and more["graph_executions"] > longer["graph_executions"], report
+
+
+@pytest.mark.parametrize("precision, dtype", [("auto", torch.float32), ("bf16", torch.bfloat16)])
+def test_precision_sets_the_teachers_weights_and_is_recorded(precision, dtype, teacher_dir, corpus_dir, tmp_path,
+                                                             monkeypatch):
+    import qat_lora.data.teacher_text as teacher_text
+
+    seen, sample = [], teacher_text._sample
+    monkeypatch.setattr(teacher_text, "_sample", lambda model, *a, **k: seen.append(
+        next(model.parameters()).dtype) or sample(model, *a, **k))
+    report = generate_data(_cfg(teacher_dir, corpus_dir, tmp_path / "out", tokens=40, precision=precision), **QUIET)
+    assert set(seen) == {dtype} and report["generated_tokens"] >= 40  # auto on the CPU: fp32
+    assert json.loads((tmp_path / "out" / "generate.json").read_text())["config"]["precision"] == precision

@@ -98,6 +98,7 @@ def generate_reply(model, tokenizer, messages: list[dict], cfg: GenerateConfig, 
     sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 \
         else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     if dev.is_xla(device):  # fixed shapes per decode step: one compilation, not one per length
+        # (CUDA keeps the dynamic cache here: each chat turn's length would be a new static cache to compile)
         sampling["cache_implementation"] = "static"
     pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id  # Gemma's pad id is 0
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qat_lora.data.text import TextDecoding
-from qat_lora.runtime.options import (DeviceInput, paths_as_flags, refuse_unused_flags, require_positive,
-                                      require_seed)
+from qat_lora.runtime.options import (DeviceInput, PrecisionInput, paths_as_flags, refuse_unused_flags,
+                                      require_positive, require_seed)
 
 
 @dataclass
@@ -25,7 +25,7 @@ class TextInput:
 
 
 @dataclass
-class GenerateDataConfig(TextInput, DeviceInput):
+class GenerateDataConfig(TextInput, DeviceInput, PrecisionInput):
     """A corpus sampled from the teacher (data/teacher_text.py): continuations of corpus passages or of prompts."""
 
     model: str = field(default="", metadata={"help": "teacher: transformers folder (it writes the text)",
@@ -46,7 +46,10 @@ class GenerateDataConfig(TextInput, DeviceInput):
     batch_size: int = field(default=16, metadata={"help": "prompts per generate call"})
     shard_samples: int = field(default=64, metadata={"help": "samples per part-*.jsonl (the unit of resume)"})
     seed: int = field(default=0, metadata={"help": "sampling seed (each shard derives its own)"})
-    device: str = DeviceInput.device_field()  # checked where the teacher loads (device.resolve_device)
+    device: str = DeviceInput.device_field(": where the teacher samples (CUDA and XLA: a static KV cache, prompts "
+                                           "padded to a multiple of 32 tokens, so each cache size compiles once)")
+    precision: str = field(default="auto", metadata={"help": "the teacher's weights while it samples: auto (bf16 on "
+                                                             "CUDA and TPU, fp32 on the CPU), fp32 or bf16"})
     overwrite: bool = field(default=False, metadata={"help": "replace an earlier corpus in --out (its shards and "
                                                              "generate.json) instead of continuing it"})
 
@@ -66,6 +69,7 @@ class GenerateDataConfig(TextInput, DeviceInput):
             raise ValueError(f"--batch-size {self.batch_size}: larger than --shard-samples {self.shard_samples}, "
                              f"which caps each generate call; pass --shard-samples {self.batch_size} (or more) too")
         require_seed(self.seed)
+        self.check_precision()
         self.text_decoding()
         refuse_unused_flags(self)
 

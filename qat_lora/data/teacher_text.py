@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from qat_lora.data import text as data
 
-from qat_lora.runtime import device as dev
+from qat_lora.runtime import device as dev, precision
 
 from qat_lora.data import models
 from qat_lora.runtime.options import field_defaults
@@ -97,11 +97,15 @@ def _sample(model, tokenizer, prompt_ids: list[list[int]], cfg: GenerateDataConf
     """One batch of continuations (token ids, EOS and padding removed); left-padded prompts, seeded sampling."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompt_ids)
+    fixed = dev.fixed_shape_decoding(device)
+    if fixed:  # a few cache sizes for the whole corpus, each compiled once (runtime/device.py)
+        width = -(-width // dev.PROMPT_BUCKET) * dev.PROMPT_BUCKET
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
-    torch.manual_seed(seed)  # generate() samples from the global generator
+    dev.seed_everything(seed)  # generate() samples from the device's global generator
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
-                         top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad)
+                         top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad,
+                         **({"cache_implementation": "static"} if fixed else {}))
     continuations = []
     for row in out[:, width:].tolist():
         if tokenizer.eos_token_id in row:
@@ -247,7 +251,9 @@ def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Calla
     inputs["teacher"] = {k: identity[k] for k in ("weights_sha256", "config_sha256")}
     _check_same_inputs(saved, inputs, cfg, out)
     device = dev.resolve_device(cfg.device)
-    dev.move_model_(model, device).eval()
+    # bf16 weights on an accelerator (half the memory and bandwidth per decoded token); fp32 on the CPU
+    dtype = precision.autocast_dtype(device, cfg.precision) or torch.float32
+    dev.move_model_(model.to(dtype), device).eval()
     if cfg.overwrite:  # the inputs have loaded: only now is the earlier corpus removed
         _replace_corpus(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Which device a run uses and how work reaches it: --device resolved and this process bound to it, graph cuts and
-step closures, seeds, the memory figure, moving a model there (tied parameters kept tied) and back (model_on),
+step closures, seeds, the memory figure, moving a model there (tied parameters kept tied) and back (model_on), fixed-shape decoding,
 batched device-to-host transfers (to_host), the input pipeline (device_batches: ParallelLoader on XLA), and what an
 op or checkpointing lowers to on each device.
 
@@ -219,6 +219,18 @@ def device_batches(batches: Iterator[dict[str, torch.Tensor]], device: torch.dev
         yield loader.per_device_loader(device)
     finally:
         loader.close()
+
+
+# Prompt batches are left-padded to a multiple of this many tokens where decoding has fixed shapes, so a corpus of
+# ragged prompts makes a handful of cache sizes (each one graph or one compilation), not one per batch.
+PROMPT_BUCKET = 32
+
+
+def fixed_shape_decoding(device: torch.device) -> bool:
+    """Whether generate() decodes with a static KV cache here: on XLA, where every other length is another graph,
+    and on CUDA, where transformers then compiles the decode step (torch.compile with CUDA graphs) once per cache
+    size. On the CPU the dynamic cache is faster and nothing compiles."""
+    return is_xla(device) or device.type == "cuda"
 
 
 def searchsorted_is_native(device: torch.device) -> bool:
