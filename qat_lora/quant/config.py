@@ -171,7 +171,8 @@ PRESETS: dict[str, QuantConfig] = {
     # The same grids with each group's zero an fp16 offset m (Wq = s * q + m, llama.cpp Q4_1's "min") instead of an
     # integer: the same stored bits (both fp16 per group), and QAT (--preset qat / weight-qat) moves m continuously
     # where an integer zero moves by whole grid steps. A data-aware init searches the integer zero, then stores it
-    # as m = s * (qmin - z) (inits.int_scale_zero); rtn is the group's min/max.
+    # as m = s * (qmin - z) (inits.int_scale_zero); rtn is the group's min/max. Measured on SmolLM2 w3g64 at cpu-small:
+    # no gain (qat from one GPTQ start: 23.73 ppl against 22.18 with integer zeros; docs/RESULTS.md).
     "w2g64f": QuantConfig(bits=2, group_size=64, zero_domain="float", init="mse"),
     "w3g64f": QuantConfig(bits=3, group_size=64, zero_domain="float"),
     "w4g64f": QuantConfig(bits=4, group_size=64, zero_domain="float"),
