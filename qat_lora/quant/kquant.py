@@ -78,6 +78,12 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> tor
     return wq if m is None else wq - m.unsqueeze(-1)
 
 
+def on_grid(weight: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None, cfg: QuantConfig) -> torch.Tensor:
+    """Wq of weight [out, subs * G] on sub-block scales s and mins m ([out, subs], sub_block_grid's), the forward's
+    arithmetic without gradients (GPTQ's columns: one sub-block of width 1)."""
+    return _dequantize(_codes(weight, s, m, cfg.qmin, cfg.qmax), s, m).reshape(weight.shape)
+
+
 def fake_quantize_kquant(weight: torch.Tensor, cfg: QuantConfig, hold_codes: bool = False,
                          **params: torch.Tensor) -> torch.Tensor:
     """The K-quant Wq of weight [out, in] (STE through the codes, the sub-block integers and d / dmin); with

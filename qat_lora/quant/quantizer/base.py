@@ -2,6 +2,7 @@
 group of input columns, optionally times low-rank factors."""
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
@@ -9,7 +10,6 @@ import torch
 from qat_lora.quant import inits as quant_init
 from qat_lora.quant.config import QuantConfig
 
-_round_ste, _fp16_ste = quant_init.round_ste, quant_init.fp16_ste
 GGUF_BLOCK = 32  # weights per block of llama.cpp's Q8_0 / Q4_0 / Q4_1
 Params = dict[str, torch.Tensor]
 
@@ -84,7 +84,7 @@ class Quantizer:
     def storage_bits(self, out_features: int, in_features: int) -> int:
         """Bits a layer [out, in] takes as stored: codes at their width and every quantiser tensor at fp16."""
         shapes = self.parameter_shapes(out_features, in_features)
-        return out_features * in_features * self.cfg.bits + 16 * sum(_numel(s) for s in shapes.values())
+        return out_features * in_features * self.cfg.bits + 16 * sum(math.prod(s) for s in shapes.values())
 
     @property
     def gguf_type(self) -> str | None:
@@ -133,13 +133,6 @@ class ColumnGrid:
         return {}
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 # --- group-scaled grids (int, offset, LUT) ---------------------------------------------------------------------
 
 def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
@@ -151,10 +144,10 @@ def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: 
     Returns:
         [out, groups, 1] (no low-rank factors) or [out, groups, G].
     """
-    s = _fp16_ste(scale).unsqueeze(-1)
+    s = quant_init.fp16_ste(scale).unsqueeze(-1)
     if scale_a is None:
         return s
-    low_rank = _fp16_ste(scale_a) @ _fp16_ste(scale_b)  # [out, in]: one small matmul, not r big ones
+    low_rank = quant_init.fp16_ste(scale_a) @ quant_init.fp16_ste(scale_b)  # [out, in]: one small matmul, not r big ones
     return s * (1.0 + low_rank.reshape(s.shape[0], s.shape[1], group_size))
 
 
@@ -186,6 +179,7 @@ class _GroupScaled(Quantizer):
 
     def _scale(self, params: Params) -> torch.Tensor:
         return effective_scale(params["scale"], params.get("scale_a"), params.get("scale_b"), self.group_size)
+
 
 def _grouping(group_size: int | None) -> str:
     return "per-channel" if group_size is None else f"groups of {group_size}"

@@ -81,7 +81,6 @@ class _KQuantColumns(ColumnGrid):
         self.s, self.m = s.detach().float().to(device), None if m is None else m.detach().float().to(device)
 
     def quantize(self, w: torch.Tensor, group: int) -> torch.Tensor:
-        s, m = self.s[:, group], None if self.m is None else self.m[:, group]
-        safe = torch.where(s == 0, torch.ones_like(s), s)
-        q = torch.clamp(torch.round(w / safe if m is None else (w + m) / safe), self.cfg.qmin, self.cfg.qmax)
-        return q * s if m is None else q * s - m
+        columns = slice(group, group + 1)
+        m = None if self.m is None else self.m[:, columns]
+        return kquant.on_grid(w.unsqueeze(1), self.s[:, columns], m, self.cfg).squeeze(1)

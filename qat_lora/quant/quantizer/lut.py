@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from qat_lora.quant import inits as quant_init
-from qat_lora.quant.quantizer.base import ColumnGrid, Params, _GroupScaled, _fp16_ste, _grouping
+from qat_lora.quant.quantizer.base import ColumnGrid, Params, _GroupScaled, _grouping
 from qat_lora.runtime import device as dev
 
 
@@ -32,7 +32,7 @@ class LutQuantizer(_GroupScaled):
     def fake_quantize(self, weight: torch.Tensor, params: Params, hold_codes: bool = False) -> torch.Tensor:
         # STE passes W / s through (inside the codebook's range) to W and s
         out_features, in_features = weight.shape
-        scale, codebook = self._scale(params), _fp16_ste(params["codebook"])
+        scale, codebook = self._scale(params), quant_init.fp16_ste(params["codebook"])
         v = weight.reshape(out_features, scale.shape[1], -1) / (scale.detach() if hold_codes else scale)
         values, _ = _lut_lookup(v, codebook)
         lo = codebook.detach().amin(-1, keepdim=True)

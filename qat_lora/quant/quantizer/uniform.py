@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from qat_lora.quant import inits as quant_init
-from qat_lora.quant.quantizer.base import (GGUF_BLOCK, ColumnGrid, Params, Quantizer, _GroupScaled, _fp16_ste, _grouping,
-                                           _round_ste)
+from qat_lora.quant.quantizer.base import GGUF_BLOCK, ColumnGrid, Params, Quantizer, _GroupScaled, _grouping
 
 
 class IntQuantizer(_GroupScaled):
@@ -30,7 +29,18 @@ class IntQuantizer(_GroupScaled):
     def _zero(self, zero: torch.Tensor) -> torch.Tensor:
         """round(z) through an STE, or 0 (none): zero * 0 gives the parameter a gradient of exactly 0, so it stays
         0 under AdamW too."""
-        return zero * 0.0 if self.cfg.zero_domain == "none" else _round_ste(zero)
+        return zero * 0.0 if self.cfg.zero_domain == "none" else quant_init.round_ste(zero)
+
+    # An integer zero stays live in the codes' argument: shifting it shifts the codes, and Wq does not change.
+    _zero_held = False
+
+    def _levels(self, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, rounding) -> torch.Tensor:
+        """The unclamped integer level of each weight, rounded by `rounding` (torch.round, or the STE's)."""
+        return rounding(w / s) + z
+
+    def _values(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The grid value of level q."""
+        return (q - z) * s
 
     def stored_parameters(self, params: Params) -> Params:
         out = super().stored_parameters(params)
@@ -46,24 +56,23 @@ class IntQuantizer(_GroupScaled):
         s = self._scale(params)
         z = self._zero(params["zero"]).unsqueeze(-1)
         w = weight.reshape(out_features, s.shape[1], in_features // s.shape[1])
-        # an integer zero stays in round's argument: shifting it shifts the codes, and Wq does not change
-        s_in = s.detach() if hold_codes else s
-        wq = (torch.clamp(_round_ste(w / s_in) + z, self.cfg.qmin, self.cfg.qmax) - z) * s
-        return wq.reshape(out_features, in_features).to(weight.dtype)
+        s_in, z_in = (s.detach(), z.detach() if self._zero_held else z) if hold_codes else (s, z)
+        q = torch.clamp(self._levels(w, s_in, z_in, quant_init.round_ste), self.cfg.qmin, self.cfg.qmax)
+        return self._values(q, s, z).reshape(out_features, in_features).to(weight.dtype)
 
     def codes(self, weight: torch.Tensor, params: Params) -> torch.Tensor:
         out_features, in_features = weight.shape
         w = weight.float().reshape(out_features, -1, self.group_size)
         z = self._zero(params["zero"]).unsqueeze(-1)
-        q = torch.clamp(torch.round(w / self._scale(params)) + z, self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
-        return q.reshape(out_features, in_features).to(torch.uint8)
+        q = torch.clamp(self._levels(w, self._scale(params), z, torch.round), self.cfg.qmin, self.cfg.qmax)
+        return (q - self.cfg.qmin).reshape(out_features, in_features).to(torch.uint8)
 
     def dequantize(self, codes: torch.Tensor, params: Params) -> torch.Tensor:
         params = {k: v.float() for k, v in params.items()}
         out_features, in_features = codes.shape
         c = codes.long().reshape(out_features, -1, self.group_size)
         z = self._zero(params["zero"]).unsqueeze(-1)
-        return (((c + self.cfg.qmin).float() - z) * self._scale(params)).reshape(out_features, in_features)
+        return self._values((c + self.cfg.qmin).float(), self._scale(params), z).reshape(out_features, in_features)
 
     def column_grid(self, params: Params | None, out_features: int, in_features: int,
                     device: torch.device) -> ColumnGrid:
@@ -81,8 +90,8 @@ class IntQuantizer(_GroupScaled):
         return quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, w.shape[1], init, cfg.zero_domain, importance)
 
     def _round_column(self, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        # (q - z) * s is exact in float32 (small integer times an fp16 value), so round(Wq / s) gives back q.
-        return (torch.clamp(torch.round(w / s) + z, self.cfg.qmin, self.cfg.qmax) - z) * s
+        # the forward's arithmetic on one column (no STE: GPTQ runs without gradients)
+        return self._values(torch.clamp(self._levels(w, s, z, torch.round), self.cfg.qmin, self.cfg.qmax), s, z)
 
     def _block_grid(self) -> bool:
         return not self.cfg.scale_rank and self.group_size == GGUF_BLOCK and self.cfg.bits in (4, 8)
@@ -143,40 +152,22 @@ class OffsetQuantizer(IntQuantizer):
         return self.cfg.init != "ggml"
 
     def _zero(self, zero: torch.Tensor) -> torch.Tensor:
-        return _fp16_ste(zero)
+        return quant_init.fp16_ste(zero)
+
+    # Under held codes the offset leaves the codes' argument too: d Wq / d m = 1 (fake_quant.py's docstring).
+    _zero_held = True
+
+    def _levels(self, w: torch.Tensor, s: torch.Tensor, m: torch.Tensor, rounding) -> torch.Tensor:
+        return rounding((w - m) / s)
+
+    def _values(self, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return q * s + m  # d * q, then + m, in that order: what gguf's dequantiser computes, so bit-exact
 
     def stored_parameters(self, params: Params) -> Params:
         return Quantizer.stored_parameters(self, params)
 
     def snapped_parameters(self, params: Params) -> Params:
         return Quantizer.snapped_parameters(self, params)
-
-    def fake_quantize(self, weight: torch.Tensor, params: Params, hold_codes: bool = False) -> torch.Tensor:
-        out_features, in_features = weight.shape
-        s = self._scale(params)
-        m = self._zero(params["zero"]).unsqueeze(-1)
-        w = weight.reshape(out_features, s.shape[1], in_features // s.shape[1])
-        s_in, m_in = (s.detach(), m.detach()) if hold_codes else (s, m)
-        # d * q, then + m, in that order: what gguf's dequantiser computes, so bit-exact
-        wq = torch.clamp(_round_ste((w - m_in) / s_in), self.cfg.qmin, self.cfg.qmax) * s + m
-        return wq.reshape(out_features, in_features).to(weight.dtype)
-
-    def codes(self, weight: torch.Tensor, params: Params) -> torch.Tensor:
-        out_features, in_features = weight.shape
-        w = weight.float().reshape(out_features, -1, self.group_size)
-        m = self._zero(params["zero"]).unsqueeze(-1)
-        q = torch.clamp(torch.round((w - m) / self._scale(params)), self.cfg.qmin, self.cfg.qmax) - self.cfg.qmin
-        return q.reshape(out_features, in_features).to(torch.uint8)
-
-    def dequantize(self, codes: torch.Tensor, params: Params) -> torch.Tensor:
-        params = {k: v.float() for k, v in params.items()}
-        out_features, in_features = codes.shape
-        c = codes.long().reshape(out_features, -1, self.group_size)
-        m = self._zero(params["zero"]).unsqueeze(-1)
-        return ((c + self.cfg.qmin).float() * self._scale(params) + m).reshape(out_features, in_features)
-
-    def _round_column(self, w: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(torch.round((w - m) / s), self.cfg.qmin, self.cfg.qmax) * s + m  # m is fp16 already
 
     @property
     def gguf_type(self) -> str | None:
