@@ -32,8 +32,7 @@ def base_bits(preset: str, shapes: Shapes) -> tuple[float, Shapes] | None:
         layer = cfg.for_module(name)
         if layer is None:
             continue
-        layer = layer.for_width(in_features)
-        group = in_features if layer.group_size is None else layer.group_size
+        layer, group = layer.for_layer(in_features)
         if in_features % group:
             return None
         bits += quantizer_for(layer, group).storage_bits(out_features, in_features)

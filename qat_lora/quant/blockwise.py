@@ -257,8 +257,8 @@ def reconstruct_blocks_(student: nn.Module, teacher: nn.Module, calibration_batc
         report = []
         for index, (layer, teacher_layer) in enumerate(pairs):
             homes = [next(m.parameters()).device for m in (layer, teacher_layer)]
-            for m in (layer, teacher_layer):
-                m.to(torch.device(device) if device is not None else next(m.parameters()).device)
+            for m, home in zip((layer, teacher_layer), homes):
+                m.to(home if device is None else device)  # only this block pair on the device
             targets = _run(teacher_layer, targets, teacher_kwargs[index], batch_size)  # t_{i+1} = block_fp,i(t_i)
             entry = _reconstruct_block_(student, layer, index, inputs, targets, kwargs[index], done, state_dir,
                                         settings, generator=torch.Generator().manual_seed(seed + index))

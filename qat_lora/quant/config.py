@@ -137,6 +137,12 @@ class QuantConfig:
             return self
         return replace(get_preset(KQUANT_TYPES[self.bits].fallback), include=self.include, exclude=self.exclude)
 
+    def for_layer(self, in_features: int) -> tuple["QuantConfig", int]:
+        """The config and group size a layer with `in_features` input columns uses (for_width; per channel: a group
+        of in_features); the group size may not divide in_features (callers refuse that layer)."""
+        cfg = self.for_width(in_features)
+        return cfg, in_features if cfg.group_size is None else cfg.group_size
+
     @property
     def qmin(self) -> int:
         return -(2 ** (self.bits - 1)) if self.symmetric else 0

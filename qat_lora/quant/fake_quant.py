@@ -74,8 +74,7 @@ class FakeQuantLinear(nn.Linear):
         Args:
             importance: optional [in] per-column weights for the data-aware initialisation.
         """
-        cfg = cfg.for_width(linear.in_features)  # a K-quant on rows not a multiple of 256: its fallback
-        group_size = linear.in_features if cfg.group_size is None else cfg.group_size
+        cfg, group_size = cfg.for_layer(linear.in_features)  # a K-quant on rows not a multiple of 256: its fallback
         if linear.in_features % group_size:
             raise ValueError(f"group size {group_size} does not divide in_features={linear.in_features} of layer "
                              f"{name or repr(linear)}; pick a group size that divides it or per-channel (group_size=None)")
