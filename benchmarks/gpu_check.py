@@ -20,14 +20,20 @@ the process's peak RSS), through the toolkit's own commands where one exists:
     peft      plain transformers + PEFT LoRA r16 on the same 7 linears, bf16 weights, AdamW (baseline; 4N)
     cache     qat-lora build-cache --cache-tokens, --dtype bf16 (its teacher loop's tokens/s; 2N)
     quantize  qat-lora quantize --quant w4g64 --init gptq --calib-sequences
-    train     qat-lora train recovery-lora r16, --lora-init calibrated, --precision bf16, --steps of batch x seq-len
-              (steady tokens/s: median of the logged records after the first; 4N: forward 2N + input gradients 2N)
+    train     qat-lora train recovery-lora r16, --lora-init calibrated, --precision bf16, --steps of batch x seq-len,
+              the defaults otherwise (on CUDA: bf16 storage, compiled decoder layers) (steady tokens/s: median of
+              the logged records after the first; 4N: forward 2N + input gradients 2N)
     eval      qat-lora eval: KD metrics on the cache's held-out split, perplexity on held-out synthetic text
     export    qat-lora export --format gguf --gguf-requantize when `import gguf` works, else --format dense
+    generate  qat-lora generate-data: --generate-tokens sampled in 128-token continuations of 64 prompts at once
+              (bf16, static KV cache; tokens/s over its whole run, compilation included; 2N)
+    train_eager, train_fp32   variant_steps of train from the GPTQ start, --compile off, and also --storage-dtype
+              fp32 (the step before issue 46): what each default buys, measured beside it
 N counts every parameter once (the tied head included); attention's L^2 term is left out. A failed stage keeps
 its exit code, error and log tail, later stages run where their inputs exist, and the script exits 1. The JSON:
 card, versions, commit, date, sizes; per stage rc, wall_s, gpu_peak_mib, host_peak_rss_mib, tokens_per_s, mfu and
-the stage's own report; `ratios` (train / peft, cache / forward tokens/s). Stage logs: WORK/logs/STAGE.log.
+the stage's own report; `ratios` (train / peft, cache / forward, train / each variant, tokens/s); `chain_s`, the
+wall time of cache + quantize + train + eval + export. Stage logs: WORK/logs/STAGE.log.
 """
 from __future__ import annotations
 
@@ -58,16 +64,22 @@ SHAPES = {  # random-weight models; Llama-3.2-1B's config.json, rope scaling inc
                  num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True),
 }
 SIZES = {  # defaults of the size flags per shape
-    "llama-3.2-1b": dict(steps=1000, cache_tokens=1_000_000, calib_sequences=128, batch_size=8, seq_len=512,
+    "llama-3.2-1b": dict(steps=1000, variant_steps=60, generate_tokens=65_536, cache_tokens=1_000_000, calib_sequences=128, batch_size=8, seq_len=512,
                          tokenizer_vocab=8000, ppl_tokens=20_000, holdout_fraction=0.02),
-    "tiny": dict(steps=20, cache_tokens=8_192, calib_sequences=8, batch_size=4, seq_len=64, tokenizer_vocab=300,
+    "tiny": dict(steps=20, variant_steps=3, generate_tokens=512, cache_tokens=8_192, calib_sequences=8, batch_size=4, seq_len=64, tokenizer_vocab=300,
                  ppl_tokens=2_000, holdout_fraction=0.1),  # ~50 documents: 2 % of them could be none
 }
-STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export")
+STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "train_eager", "train_fp32", "eval", "export",
+          "generate")
+# Short runs of the train stage beside it, from the same GPTQ start with a zero adapter: what the defaults (bf16
+# storage, compiled layers on CUDA) buy, one flag at a time.
+TRAIN_VARIANTS = {"train_eager": ["--compile", "off"], "train_fp32": ["--storage-dtype", "fp32", "--compile", "off"]}
+CHAIN = ("cache", "quantize", "train", "eval", "export")  # the user's recovery, end to end
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QUANT, LORA_R, BASELINE_STEPS = "w4g64", 16, 20
 CHILD_ENV = {"TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 NEEDS = {"forward": ["setup"], "peft": ["setup"], "cache": ["setup"], "quantize": ["cache"], "train": ["cache"],
+         "train_eager": ["cache"], "train_fp32": ["cache"], "generate": ["setup"],
          "eval": ["cache"], "export": ["setup"]}  # stages whose output a stage reads; the others it uses if present
 MARKER = ".gpu_check"  # proves --work is this script's folder before a rerun replaces it
 
@@ -244,17 +256,22 @@ def _stage_results(name: str, record: dict, work: Path, ctx: dict) -> None:
         flops = 2
     elif name == "quantize":
         res.update(_scalars(json.loads((work / "init" / "quantize.json").read_text())))
-    elif name == "train":
+    elif name == "train" or name in TRAIN_VARIANTS:
         from qat_lora.runtime.runs import read_metrics
 
-        summary = json.loads((work / "run" / "summary.json").read_text())
-        records = read_metrics(work / "run")[0]
+        run = work / ("run" if name == "train" else name)
+        summary = json.loads((run / "summary.json").read_text())
+        records = read_metrics(run)[0]
         steady = [r["tokens_per_s"] for r in records[1:]] or [summary["tokens_per_s"]]  # the first warms up
         res.update(_scalars(summary), loop_tokens_per_s=summary["tokens_per_s"],
                    tokens_per_s=round(statistics.median(steady), 1),
                    calibrated_init_s=_grep(log, r"calibrated LoRA init: .*\((\d+) s\)"),
                    first_loss=records[0]["loss"] if records else None, last_loss=records[-1]["loss"] if records else None)
         flops = 4
+    elif name == "generate":
+        report = json.loads((work / "self" / "generate.json").read_text())
+        res.update(_scalars(report), tokens_per_s=round(report["generated_tokens"] / max(report["seconds"], 1e-9), 1))
+        flops = 2  # a decode step's forward (the prompt's prefill not counted)
     elif name == "eval":
         res.update(_scalars(json.loads((work / "eval.json").read_text())))
     elif name == "export":
@@ -322,6 +339,15 @@ def _command_lines(a, s: dict, work: Path, ctx: dict) -> dict:
                           "--lora-init-sequences", str(s["calib_sequences"]), "--max-steps", str(s["steps"]),
                           "--batch-size", str(s["batch_size"]), "--precision", "bf16", "--device", dev,
                           "--log-steps", str(max(1, min(50, s["steps"] // 10))), *a.train_args.split()],
+        **{name: (lambda name=name, flags=flags: [
+            "train", "--model", model, "--quant", QUANT, "--cache", cache, "--out", str(work / name),
+            *(["--quantizer", str(quantizer)] if quantizer.exists() else []), "--preset", "recovery-lora",
+            "--lora-r", str(LORA_R), "--max-steps", str(s["variant_steps"]), "--batch-size", str(s["batch_size"]),
+            "--precision", "bf16", "--device", dev, "--log-steps", str(max(1, s["variant_steps"] // 10)), *flags])
+           for name, flags in TRAIN_VARIANTS.items()},
+        "generate": lambda: ["generate-data", "--model", model, "--data", str(work / "data" / "train"),
+                             "--out", str(work / "self"), "--tokens", str(s["generate_tokens"]),
+                             "--max-new-tokens", "128", "--batch-size", "64", "--device", dev],
         "eval": lambda: ["eval", "--model", model, *student, "--cache", cache, "--text", str(work / "data" / "heldout.txt"),
                          "--seq-len", str(s["seq_len"]), "--max-tokens", str(s["ppl_tokens"]),
                          "--batch-size", str(s["batch_size"]), "--device", dev, "--precision", "bf16",
@@ -331,14 +357,15 @@ def _command_lines(a, s: dict, work: Path, ctx: dict) -> dict:
 
 
 def _table(report: dict) -> str:
-    rows = [f"{'stage':9s} {'rc':>4s} {'wall_s':>8s} {'gpu_MiB':>9s} {'host_MiB':>9s} {'tok/s':>10s} {'mfu':>7s}  note"]
+    rows = [f"{'stage':11s} {'rc':>4s} {'wall_s':>8s} {'gpu_MiB':>9s} {'host_MiB':>9s} {'tok/s':>10s} {'mfu':>7s}  note"]
     for name, r in report["stages"].items():
         gpu, tps, mfu = r.get("gpu_peak_mib"), r.get("tokens_per_s"), r.get("mfu")
-        rows.append(f"{name:9s} {str(r.get('rc')):>4s} {r.get('wall_s', 0):8.1f} "
+        rows.append(f"{name:11s} {str(r.get('rc')):>4s} {r.get('wall_s', 0):8.1f} "
                     f"{'-' if gpu is None else f'{gpu:.0f}':>9s} {r.get('host_peak_rss_mib') or 0:9.0f} "
                     f"{'-' if tps is None else f'{tps:,.0f}':>10s} {'-' if mfu is None else f'{mfu:.1%}':>7s}  "
                     f"{r.get('error') or r.get('skipped') or ''}"[:160])
     rows += [f"{k}: {v}" for k, v in report["ratios"].items()]
+    rows += [f"chain (cache, quantize, train, eval, export): {report['chain_s']} s"] if "chain_s" in report else []
     return "\n".join(rows)
 
 
@@ -357,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     s = {**SIZES[a.shape], **{k: v for k, v in vars(a).items() if k in SIZES[a.shape] and v is not None}}
+    s["variant_steps"] = min(s["variant_steps"], s["steps"])
     work = Path(a.work).resolve()
     _prepare_work(work)
     json_path = Path(a.json) if a.json else work / "gpu_check.json"
@@ -385,9 +413,13 @@ def main(argv: list[str] | None = None) -> int:
             ctx.update(record["result"])
             report["card"], report["parameters"] = ctx["card"], ctx["parameters"]
         report["stages"][name] = record
-        tps = {k: report["stages"].get(k, {}).get("tokens_per_s") for k in ("train", "peft", "cache", "forward")}
-        report["ratios"] = {f"{x}_vs_{y}": round(tps[x] / tps[y], 3) for x, y in (("train", "peft"), ("cache", "forward"))
-                            if tps[x] and tps[y]}
+        tps = {k: report["stages"].get(k, {}).get("tokens_per_s") for k in ("train", "peft", "cache", "forward",
+                                                                              *TRAIN_VARIANTS)}
+        report["ratios"] = {f"{x}_vs_{y}": round(tps[x] / tps[y], 3) for x, y in (
+            ("train", "peft"), ("cache", "forward"), ("train", "train_eager"), ("train", "train_fp32"),
+            ("train_eager", "peft"), ("train_fp32", "peft")) if tps[x] and tps[y]}
+        if all(report["stages"].get(k, {}).get("rc") == 0 for k in CHAIN):
+            report["chain_s"] = round(sum(report["stages"][k]["wall_s"] for k in CHAIN), 1)
         tmp = json_path.with_suffix(".tmp")  # after every stage: a killed run keeps what it measured
         tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, json_path)

@@ -13,7 +13,8 @@ import pytest
 from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export")
+STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "train_eager", "train_fp32", "eval", "export",
+          "generate")
 
 
 @pytest.mark.slow
@@ -31,13 +32,18 @@ def test_gpu_check_runs_every_stage_on_the_cpu(tmp_path):
         assert record["rc"] == 0 and record["child_rc"] == 0, (name, record)
         assert record["wall_s"] > 0 and record["host_peak_rss_mib"] > 0, (name, record)
         assert record["gpu_peak_mib"] is None, (name, record)  # nothing touched CUDA on a CPU run
-    for name in ("forward", "peft", "cache", "train"):
+    for name in ("forward", "peft", "cache", "train", "train_eager", "train_fp32", "generate"):
         assert stages[name]["tokens_per_s"] > 0 and 0 < stages[name]["mfu"] < 1, (name, stages[name])
     assert stages["train"]["result"]["steps"] == 3 and stages["train"]["result"]["calibrated_init_s"] is not None
     assert stages["cache"]["result"]["tokens"] > 0 and stages["eval"]["result"]["ppl"] > 0
     assert stages["setup"]["result"]["model_vocab"] > stages["setup"]["result"]["tokenizer_vocab"]  # padded logits
     assert stages["export"]["result"]["format"] == report["export_format"] and stages["export"]["result"]["bytes"] > 0
-    assert set(report["ratios"]) == {"train_vs_peft", "cache_vs_forward"}
+    assert stages["generate"]["result"]["generated_tokens"] >= 512 and stages["generate"]["result"]["complete"]
+    assert stages["train_eager"]["result"]["steps"] == stages["train_fp32"]["result"]["steps"] == 3
+    assert set(report["ratios"]) == {"train_vs_peft", "cache_vs_forward", "train_vs_train_eager", "train_vs_train_fp32",
+                                     "train_eager_vs_peft", "train_fp32_vs_peft"}
+    assert report["chain_s"] == pytest.approx(sum(stages[k]["wall_s"] for k in ("cache", "quantize", "train", "eval",
+                                                                              "export")), abs=0.2)
     assert report["card"] == "cpu" and report["versions"]["torch"] and report["date"]
     assert "train_vs_peft" in result.stdout and "written" in result.stdout
 

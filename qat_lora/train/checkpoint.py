@@ -36,7 +36,7 @@ STATE_FILE = "state.json"
 FORMAT_VERSION = 1
 # Flags that may change between a run and its resumption without changing a single trained value.
 RESUME_FREE_FIELDS = ("out", "overwrite", "resume", "device", "log_steps", "save_steps", "keep_checkpoints",
-                      "eval_steps", "xla_cache_dir", "dist_timeout_s")
+                      "eval_steps", "xla_cache_dir", "dist_timeout_s", "compile")
 
 
 def _to_host(groups: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:

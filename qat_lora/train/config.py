@@ -34,6 +34,7 @@ TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
 }
 PARALLEL_MODES = ("auto", "processes", "spmd", "fsdp")
 STORAGE_DTYPES = ("fp32", "bf16")
+COMPILE_MODES = ("auto", "on", "off")
 REPORT_TO = ("none", "tensorboard", "wandb")
 LORA_INITS = ("zero", "calibrated")
 
@@ -161,9 +162,13 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
                                                             "XLA process, batch sharded), fsdp (spmd with the "
                                                             "parameters sharded too: models larger than one chip) "
                                                             "or auto (spmd on XLA, processes elsewhere)"})
-    storage_dtype: str = field(default="fp32", metadata={"help": "frozen student weights: fp32, or bf16 (recovery-lora: "
-                                                                 "Wq stored once in bf16, no fp32 latent weight; "
-                                                                 "half the memory)"})
+    storage_dtype: str = field(default="auto", metadata={"help": "frozen student weights: fp32, bf16 (Wq stored "
+                                                                 "once in bf16, no fp32 latent weight; half the "
+                                                                 "memory; recovery-lora) or auto (bf16 when "
+                                                                 "recovery-lora computes in bf16, else fp32)"})
+    compile: str = field(default="auto", metadata={"help": "torch.compile each decoder layer: on, off, or auto (on "
+                                                           "CUDA with bf16 storage; XLA compiles the step's graph "
+                                                           "anyway, the CPU's compile time outweighs it)"})
     precision: str = PrecisionInput.precision_field()
     matmul_precision: str = PrecisionInput.matmul_precision_field("; recorded in config.json")
     loss_chunk_size: int = field(default=-1, metadata={"help": "positions per lm_head+loss chunk, each chunk's "
@@ -206,11 +211,13 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
             raise ValueError(f"--preset {self.preset!r}: choose one of {', '.join(TRAIN_PRESETS)}")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"--parallel {self.parallel!r}: choose one of {', '.join(PARALLEL_MODES)}")
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"--storage-dtype {self.storage_dtype!r}: choose {' or '.join(STORAGE_DTYPES)}")
-        if self.storage_dtype != "fp32" and TRAIN_PRESETS.get(self.preset) != ("lora",):
+        if self.storage_dtype not in ("auto", *STORAGE_DTYPES):
+            raise ValueError(f"--storage-dtype {self.storage_dtype!r}: choose auto, {' or '.join(STORAGE_DTYPES)}")
+        if self.storage_dtype == "bf16" and TRAIN_PRESETS.get(self.preset) != ("lora",):
             raise ValueError(f"--storage-dtype {self.storage_dtype} --preset {self.preset}: the latent weights and "
                              "quantiser train, so they stay fp32; use --preset recovery-lora or --storage-dtype fp32")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile {self.compile!r}: choose one of {', '.join(COMPILE_MODES)}")
         check_lora_init(self.lora_init, folder_allowed=True)
         require_positive(self, "lora_init_sequences")
         if self.lora_init not in LORA_INITS:  # an adapter folder: its rank and alpha, before any folder is touched

@@ -15,6 +15,7 @@ import torch
 from qat_lora.train import checkpoint as ckpt
 
 from qat_lora.runtime import device as dev
+from qat_lora.runtime import precision
 
 from qat_lora.data import models
 
@@ -30,8 +31,9 @@ from qat_lora.train.optim import build_optimizer, lr_factor
 from qat_lora.quant.blocks import layer_progress
 from qat_lora.quant.fake_quant import get_preset, quant_config_dict
 from qat_lora.quant.state import has_codes
-from qat_lora.train.student import (build_student, enable_activation_checkpointing_, make_trainable_, resolve_attn,
-                                    set_storage_dtype_, trainable_parameters)
+from qat_lora.train.student import (build_student, compile_decoder_layers_, enable_activation_checkpointing_,
+                                    make_trainable_, resolve_attn, resolve_storage_dtype, set_storage_dtype_,
+                                    trainable_parameters)
 
 
 @dataclass
@@ -178,9 +180,11 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
     model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha)
     if resume_from is None:  # a resumed run loads its adapters instead
         _lora_start_(cfg, model, device, backend, log)
-    model = backend.shard_model_(set_storage_dtype_(model, cfg.storage_dtype), device)  # fsdp: split as it moves
+    storage = resolve_storage_dtype(cfg.storage_dtype, cfg.preset, precision.autocast_dtype(device, cfg.precision))
+    model = backend.shard_model_(set_storage_dtype_(model, storage), device)  # fsdp: split as it moves
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing_(model, device)
+    compiled = compile_decoder_layers_(model, cfg.compile, device, storage)
     model.train()
     params = trainable_parameters(model)
     optimizer = build_optimizer(cfg, model, params)
@@ -204,7 +208,8 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
                 "world_size": backend.world_size * backend.data_parallel})
     log(f"student {cfg.model} [{cfg.quant}, {cfg.preset}] on {device} ({backend.describe()}): "
         f"{sum(p.numel() for p in params.values()):,} trainable parameters, {cache.num_sequences('train')} "
-        f"training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step"
+        f"training sequences of {cache.seq_len}, {tokens_per_step:,} tokens per step; frozen weights in {storage}"
+        + (f"; {compiled} decoder layers compiled" if compiled else "")
         + (f"; targets from --online-teacher {cfg.online_teacher}" if teacher is not None else ""))
     return run
 

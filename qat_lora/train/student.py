@@ -27,6 +27,7 @@ from qat_lora.train.adapter import (ADAPTER_CARD, ADAPTER_RECORD, BASE_KEY, adap
 from qat_lora.train.config import TRAIN_PRESETS, StudentSpec
 from qat_lora.runtime.files import apply_umask, atomic_write_json, atomic_write_text, owner_stamp
 from qat_lora.train.lora import add_recovery_lora_, load_recovery_lora
+from qat_lora.quant.blocks import decoder_layers
 from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset, latent_weights, quantize_, quantizer_parameters
 from qat_lora.quant.state import (MODEL_SIGNATURE_KEY, load_quantizer_state_, quantised_weight_count,
                                   save_quantizer_state)
@@ -100,6 +101,32 @@ def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lor
 
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # keys: config.STORAGE_DTYPES
+
+
+def resolve_storage_dtype(storage: str, preset: str, amp_dtype: torch.dtype | None) -> str:
+    """--storage-dtype auto: bf16 when only LoRA trains and the step computes in bf16 (autocast would cast every
+    frozen weight to bf16 anyway: storing it so saves the fp32 copies and the casts), fp32 otherwise."""
+    if storage != "auto":
+        return storage
+    return "bf16" if TRAIN_PRESETS[preset] == ("lora",) and amp_dtype == torch.bfloat16 else "fp32"
+
+
+def compile_decoder_layers_(model: torch.nn.Module, mode: str, device: torch.device, storage: str) -> int:
+    """--compile: torch.compile each decoder layer in place (`Module.compile`: parameter names, saved files and the
+    optimizer's view unchanged), after placement. auto compiles on CUDA when the frozen student is stored in bf16
+    (`storage`, resolved): each Wq is then a plain parameter and a layer is one graph, shared by every layer;
+    a cached or trained Wq's bookkeeping would break the graph at every linear. XLA traces the step into one graph
+    already; on the CPU the compile time outweighs the gain at the sizes trained there. Returns the number of
+    layers compiled (0: eager)."""
+    if mode == "off" or (mode == "auto" and (device.type != "cuda" or storage != "bf16")):
+        return 0
+    if dev.is_xla(device):
+        raise ValueError("--compile on: on XLA the step is already one compiled graph (torch.compile would trace "
+                         "it again); drop --compile or pass --compile auto")
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=False)  # fixed batch and sequence shapes: one graph per layer signature
+    return len(layers)
 
 
 @torch.no_grad()
