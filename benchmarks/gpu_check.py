@@ -64,12 +64,12 @@ SHAPES = {  # random-weight models; Llama-3.2-1B's config.json, rope scaling inc
                  num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True),
 }
 SIZES = {  # defaults of the size flags per shape
-    "llama-3.2-1b": dict(steps=1000, variant_steps=60, generate_tokens=65_536, cache_tokens=1_000_000, calib_sequences=128, batch_size=8, seq_len=512,
+    "llama-3.2-1b": dict(steps=1000, variant_steps=40, generate_tokens=65_536, cache_tokens=1_000_000, calib_sequences=128, batch_size=8, seq_len=512,
                          tokenizer_vocab=8000, ppl_tokens=20_000, holdout_fraction=0.02),
     "tiny": dict(steps=20, variant_steps=3, generate_tokens=512, cache_tokens=8_192, calib_sequences=8, batch_size=4, seq_len=64, tokenizer_vocab=300,
                  ppl_tokens=2_000, holdout_fraction=0.1),  # ~50 documents: 2 % of them could be none
 }
-STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "train_eager", "train_fp32", "eval", "export",
+STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "train_fp32", "train_eager",
           "generate")
 # Short runs of the train stage beside it, from the same GPTQ start with a zero adapter: what the defaults (bf16
 # storage, compiled layers on CUDA) buy, one flag at a time.

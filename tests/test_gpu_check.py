@@ -13,7 +13,7 @@ import pytest
 from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "train_eager", "train_fp32", "eval", "export",
+STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "train_fp32", "train_eager",
           "generate")
 
 
