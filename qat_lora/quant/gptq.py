@@ -52,16 +52,17 @@ def _inverse_cholesky_upper(h: torch.Tensor, damp: float) -> torch.Tensor:
     return chol.float()
 
 
-def _group_now(w: torch.Tensor, w1: torch.Tensor, err1: torch.Tensor, u: torch.Tensor, i1: int, i: int,
+def _group_now(w: torch.Tensor, w1: torch.Tensor, deltas: list[torch.Tensor], v: torch.Tensor, i1: int, i: int,
                end: int) -> torch.Tensor:
     """Current weights [out, end - (i1 + i)] of columns i1+i .. end-1: those in the block are up to date in w1;
-    later ones still owe the block's lazy update from the i columns already quantised."""
+    later ones still owe the block's lazy update from the i columns already quantised (their rounding errors
+    `deltas`, one [out] column each, times the row-normalised factor v)."""
     i2 = i1 + w1.shape[1]
     inside = w1[:, i:min(end, i2) - i1]
     if end <= i2:
         return inside
-    owed = err1[:, :i] @ u[i1:i1 + i, i2:end]
-    return torch.cat([inside, w[:, i2:end] - owed], 1)
+    later = w[:, i2:end] - torch.stack(deltas, 1) @ v[i1:i1 + i, i2:end] if deltas else w[:, i2:end]
+    return torch.cat([inside, later], 1)
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, group_size: int, *,
@@ -119,21 +120,30 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     perm = torch.argsort(importance, descending=True) if act_order else torch.arange(in_features, device=device)
     w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_cholesky_upper(h, damp)
-    q = torch.zeros_like(w)
+    # U's rows divided by their diagonal: column j's rounding error delta_j = w_j - q_j moves the later columns by
+    # delta_j * V[j, j+1:] (the paper's err_j = delta_j / U_jj times U[j, j+1:]), one outer-product update per
+    # column. On an accelerator the column loop is bound by launching its small ops, so each op counts.
+    v = u / torch.diagonal(u).unsqueeze(1)
     perm_host = perm.tolist()  # one read, not one per column
+    q_blocks = []
     for i1 in range(0, in_features, block_size):
         i2 = min(i1 + block_size, in_features)
-        w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
-        err1 = torch.zeros_like(w1)
+        w1, v1 = w[:, i1:i2].clone(), v[i1:i2, i1:i2]
+        q_columns, deltas = [], []
         for i in range(i2 - i1):
             col = i1 + i
             if not static and col % group_size == 0:  # no permutation here: col is the original column
-                group_w = _group_now(w, w1, err1, u, i1, i, col + group_size)
+                group_w = _group_now(w, w1, deltas, v, i1, i, col + group_size)
                 grid.fit_(col // group_size, group_w, importance[col:col + group_size])
-            q[:, col] = grid.quantize(w1[:, i], perm_host[col] // group_size)
-            err1[:, i] = (w1[:, i] - q[:, col]) / u1[i, i]
-            w1[:, i:] -= err1[:, i:i + 1] * u1[i:i + 1, i:]  # OBS update of the rest of the block
-        w[:, i2:] -= err1 @ u[i1:i2, i2:]  # lazy update of the later blocks
+            w_col = w1[:, i]
+            q_col = grid.quantize(w_col, perm_host[col] // group_size)
+            delta = w_col - q_col
+            w1[:, i + 1:].addr_(delta, v1[i, i + 1:], alpha=-1.0)  # OBS update of the rest of the block
+            q_columns.append(q_col)
+            deltas.append(delta)
+        q_blocks.append(torch.stack(q_columns, 1))
+        w[:, i2:] -= torch.stack(deltas, 1) @ v[i1:i2, i2:]  # lazy update of the later blocks
+    q = torch.cat(q_blocks, 1)
     wq = torch.empty_like(q)
     wq[:, perm] = q  # undo the act-order permutation
     return {"weight": wq, **grid.parameters()}
@@ -186,22 +196,30 @@ def full_precision(modules: list[FakeQuantLinear]) -> Iterator[None]:
 def collect_hessians(layer: nn.Module, inputs: blocks.BlockInputs, modules: dict[str, FakeQuantLinear],
                      to: torch.device | str = "cpu") -> dict:
     """H = 2 XᵀX / n ([in, in] float32, moved `to`) of each module's inputs X [n, in] while `layer` runs over
-    `inputs`, computed on the layer's device. Modules fed the same tensor (q/k/v, gate/up) share one XᵀX: it is
-    computed once per distinct input, not once per module.
+    `inputs`, computed on the layer's device. Modules fed the same tensor (q/k/v, gate/up) share one H, computed
+    once per distinct input: the same tensor object under each name (read it, do not write to it).
 
     The caller decides whether the modules run quantised or in full precision (see `full_precision`).
     """
-    sums: dict[str, torch.Tensor] = {}
-    counts = dict.fromkeys(modules, 0)
-    last: list = [None, None]  # (input tensor, its XᵀX) of the latest hook call
+    sums: list[torch.Tensor] = []  # one XᵀX sum per distinct input
+    counts: list[int] = []
+    source: dict[str, int] = {}  # module name -> index of its input in `sums`
+    last: list = [None, None]  # the latest hook call's input tensor and its index
 
     def hook(name):
         def accumulate(module, args, output):
-            if args[0] is not last[0]:
+            if args[0] is not last[0]:  # a new input: q/k/v (gate/up) then find their shared one in `last`
                 x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-                last[:] = [args[0], x.T @ x]
-            sums[name] = sums.get(name, 0) + last[1]
-            counts[name] += args[0].numel() // args[0].shape[-1]
+                index = source.setdefault(name, len(sums))
+                if index == len(sums):
+                    sums.append(x.T @ x)
+                    counts.append(0)
+                else:
+                    sums[index] += x.T @ x
+                counts[index] += x.shape[0]
+                last[:] = [args[0], index]
+            elif source.setdefault(name, last[1]) != last[1]:
+                raise ValueError(f"collect_hessians: {name}'s input changed between batches")
         return accumulate
 
     handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
@@ -211,7 +229,8 @@ def collect_hessians(layer: nn.Module, inputs: blocks.BlockInputs, modules: dict
         last.clear()
         for handle in handles:
             handle.remove()
-    return {n: (2.0 * sums[n] / counts[n]).to(to) for n in sums}
+    hessians = [(2.0 * total / count).to(to) for total, count in zip(sums, counts)]
+    return {n: hessians[source[n]] for n in modules if n in source}
 
 
 @torch.no_grad()
@@ -228,17 +247,28 @@ def _write_(module: FakeQuantLinear, result: dict[str, torch.Tensor]) -> None:
     module._cached_wq = None
 
 
-def _quantize_module(module: FakeQuantLinear, h: torch.Tensor, damp: float, act_order: bool) -> dict:
-    """GPTQ one FakeQuantLinear in place, its column loop on `h`'s device; returns its errors before (previous
-    init) and after, and seconds."""
-    start = time.perf_counter()
-    w = module.weight.detach().float().to(h.device).clone()  # the latent weight is overwritten below
-    before = relative_error(w, module.quantized_weight().detach(), h)
-    result = gptq_quantize(w, h, module.cfg, module.group_size, damp=damp, act_order=act_order,
-                           params=module.quant_parameters())
-    _write_(module, result)
-    return {"init_err": before, "gptq_err": relative_error(w, result["weight"], h),
-            "seconds": time.perf_counter() - start}
+def _quantize_modules(modules: dict[str, FakeQuantLinear], h: torch.Tensor, damp: float, act_order: bool) -> dict:
+    """GPTQ modules fed the same input (H), in place, the column loop on `h`'s device; returns each one's errors
+    before (previous init) and after, and seconds. Rows are independent given H, so modules of one grid whose
+    groups GPTQ fits itself (int, offset) are solved as one stacked matrix: one column loop for q/k/v, not three."""
+    report, pending = {}, list(modules.items())
+    while pending:
+        name, first = pending[0]
+        stack = [(n, m) for n, m in pending if m.quantizer.gptq_fits_groups and first.quantizer.gptq_fits_groups
+                 and (m.cfg, m.group_size) == (first.cfg, first.group_size)] or [pending[0]]
+        pending = [item for item in pending if item not in stack]
+        start = time.perf_counter()
+        weights = [m.weight.detach().float().to(h.device) for _, m in stack]  # overwritten below: keep W
+        rows = [w.shape[0] for w in weights]
+        result = gptq_quantize(torch.cat(weights), h, first.cfg, first.group_size, damp=damp, act_order=act_order,
+                               params=first.quant_parameters() if len(stack) == 1 else None)
+        seconds = (time.perf_counter() - start) / len(stack)
+        parts = [result] if len(stack) == 1 else [dict(zip(result, p)) for p in zip(*(v.split(rows) for v in result.values()))]
+        for (n, m), w, mine in zip(stack, weights, parts):
+            before = relative_error(w, m.quantized_weight().detach(), h)
+            _write_(m, mine)
+            report[n] = {"init_err": before, "gptq_err": relative_error(w, mine["weight"], h), "seconds": seconds}
+    return report
 
 
 @torch.no_grad()
@@ -276,9 +306,13 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
         if modules:
             with full_precision(list(modules.values())):
                 hessians = collect_hessians(layer, inputs, modules, to=solve_on)
+            by_input: dict[int, dict[str, FakeQuantLinear]] = {}  # modules sharing an H (q/k/v, gate/up)
             for name, module in modules.items():
-                report[f"layers.{index}.{name}"] = _quantize_module(module, hessians[name], damp, act_order)
-            del hessians
+                by_input.setdefault(id(hessians[name]), {})[name] = module
+            for group in by_input.values():
+                h = hessians[next(iter(group))]
+                report.update({f"layers.{index}.{n}": r for n, r in _quantize_modules(group, h, damp, act_order).items()})
+            del hessians, h
             errs = [report[f"layers.{index}.{n}"] for n in modules]
             log(f"gptq layer {index}: mean rel. output error {sum(e['init_err'] for e in errs) / len(errs):.4f} "
                 f"-> {sum(e['gptq_err'] for e in errs) / len(errs):.4f}")

@@ -39,6 +39,12 @@ class Quantizer:
         return True
 
     @property
+    def gptq_fits_groups(self) -> bool:
+        """Whether GPTQ fits each group's parameters itself, row by row (`column_grid` needs no parameters): the
+        layers fed the same input (q/k/v, gate/up) can then be solved as one stacked matrix, exactly."""
+        return False
+
+    @property
     def name(self) -> str:
         """e.g. int3-g64, lut3-g64-group: block-wise reconstruction resumes saved blocks only onto the same grid."""
         cfg = self.cfg

@@ -1,6 +1,8 @@
 """Uniform integer grids: an integer zero point (or none: llama.cpp's Q8_0 / Q4_0) and an fp16 offset (Q4_1)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from qat_lora.quant import inits as quant_init
@@ -74,6 +76,8 @@ class IntQuantizer(_GroupScaled):
         z = self._zero(params["zero"]).unsqueeze(-1)
         return self._values((c + self.cfg.qmin).float(), self._scale(params), z).reshape(out_features, in_features)
 
+    gptq_fits_groups = True
+
     def column_grid(self, params: Params | None, out_features: int, in_features: int,
                     device: torch.device) -> ColumnGrid:
         return _RefitColumns(self, out_features, in_features // self.group_size, device)
@@ -89,9 +93,13 @@ class IntQuantizer(_GroupScaled):
         init = cfg.init if cfg.init in ("mse", "ggml") else "rtn"  # hqq's fit is for whole layers, not groups
         return quant_init.int_scale_zero(w, cfg.bits, cfg.symmetric, w.shape[1], init, cfg.zero_domain, importance)
 
-    def _round_column(self, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        # the forward's arithmetic on one column (no STE: GPTQ runs without gradients)
-        return self._values(torch.clamp(self._levels(w, s, z, torch.round), self.cfg.qmin, self.cfg.qmax), s, z)
+    def _column_rounding(self, s: torch.Tensor, z: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """GPTQ's rounding of a column of one group (scale s, zero z [out]): the forward's arithmetic, no STE. With
+        an integer zero, (clamp(round(w/s) + z, qmin, qmax) - z) s == clamp(round(w/s), qmin - z, qmax - z) s
+        exactly (small integers are exact in float): four ops per column instead of six, the bounds made once
+        per group (on a GPU the column loop is bound by launching its ops)."""
+        low, high = self.cfg.qmin - z, self.cfg.qmax - z
+        return lambda w: torch.div(w, s).round_().clamp_(low, high).mul_(s)
 
     def _block_grid(self) -> bool:
         return not self.cfg.scale_rank and self.group_size == GGUF_BLOCK and self.cfg.bits in (4, 8)
@@ -163,6 +171,10 @@ class OffsetQuantizer(IntQuantizer):
     def _values(self, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         return q * s + m  # d * q, then + m, in that order: what gguf's dequantiser computes, so bit-exact
 
+    def _column_rounding(self, s: torch.Tensor, m: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        qmin, qmax = self.cfg.qmin, self.cfg.qmax  # a float offset: the forward's own formula
+        return lambda w: self._values(torch.clamp(self._levels(w, s, m, torch.round), qmin, qmax), s, m)
+
     def stored_parameters(self, params: Params) -> Params:
         return Quantizer.stored_parameters(self, params)
 
@@ -196,13 +208,18 @@ class _RefitColumns(ColumnGrid):
         self.quantizer = quantizer
         self.scale = torch.zeros(out_features, groups, device=device)
         self.zero = torch.zeros(out_features, groups, device=device)
+        self._group, self._rounding = -1, None
 
     def fit_(self, group: int, w: torch.Tensor, importance: torch.Tensor) -> None:
         s, z = self.quantizer._fit_group(w, importance)
         self.scale[:, group], self.zero[:, group] = s[:, 0], z[:, 0]
+        self._group = -1  # the rounding set up for a group reads its parameters as they were
 
     def quantize(self, w: torch.Tensor, group: int) -> torch.Tensor:
-        return self.quantizer._round_column(w, self.scale[:, group], self.zero[:, group])
+        if group != self._group:  # set up once per group, not once per column (fit_ precedes a group's columns)
+            self._group = group
+            self._rounding = self.quantizer._column_rounding(self.scale[:, group], self.zero[:, group])
+        return self._rounding(w)
 
     def parameters(self) -> Params:
         return {"scale": self.scale, "zero": self.zero}
