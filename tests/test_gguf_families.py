@@ -1,10 +1,11 @@
 """`--format gguf` for every family (issue 28, item 3): Llama, Mistral, Qwen2, Qwen3, Gemma 3 and Phi-3 as llama.cpp's
-converter writes them. On tiny random models of each: the `<arch>.*` keys, every quantised tensor dequantised by
-gguf equal to the student's Wq bit for bit (in llama.cpp's row order), Gemma's norms stored as 1 + w, the
-tokenizer (byte-level BPE, or SentencePiece pieces / scores / types for the Gemma- and Llama-style vocabularies),
-transformers loading the file back with the student's logits, and the unmerged LoRA adapter GGUF. Where
-llama.cpp's Python binding is importable (benchmarks/build_llama_cpp.sh), llama.cpp itself loads each file with its
-adapter, tokenizes as the HF tokenizer does and gives the student's next-token distribution."""
+converter writes them, and a Llama with Llama 3.1's rope scaling (`llama3`). On tiny random models of each: the
+`<arch>.*` keys, every quantised tensor dequantised by gguf equal to the student's Wq bit for bit (in llama.cpp's
+row order), Gemma's norms stored as 1 + w, the llama3 rope's `rope_freqs.weight` equal to the factors transformers
+divides its frequencies by, the tokenizer (byte-level BPE, or SentencePiece pieces / scores / types for the Gemma-
+and Llama-style vocabularies), transformers loading the file back with the student's logits, and the unmerged
+LoRA adapter GGUF. Where llama.cpp's Python binding is importable (benchmarks/build_llama_cpp.sh), llama.cpp itself
+loads each file with its adapter, tokenizes as the HF tokenizer does and gives the student's next-token distribution."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,9 +23,14 @@ from qat_lora.data.models import load_causal_lm  # noqa: E402
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantize_  # noqa: E402
 from qat_lora.quant.inits import snap_fp16  # noqa: E402
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "llama3")
+MODEL_TYPES = {"llama3": "llama"}  # a variant: its transformers model_type
+# Llama 3.1's rope scaling with a 64-token original context, so that a 16-wide head has all three kinds of
+# frequency: kept (wavelength < 64 / 4), divided by the factor (> 64 / 1), and blended in between
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 64}
 TOKENIZERS = {"llama": "bpe", "mistral": "llama-spm", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3_text": "gemma-spm",
-              "phi3": "llama-spm"}
+              "phi3": "llama-spm", "llama3": "bpe"}
 TEXT = "The king 123 sees a   river.\n\nNew  4567 garden"
 
 
@@ -67,8 +73,13 @@ def _config(family: str, tokenizer):
              # every layer local (llama.cpp's default pattern on 2 layers) with a window shorter than the input
              "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                  layer_types=["sliding_attention", "sliding_attention"]),
-             "phi3": dict(original_max_position_embeddings=128)}.get(family, {})
-    return AutoConfig.for_model(family, **common, **extra)
+             "phi3": dict(original_max_position_embeddings=128),
+             "llama3": dict(rope_scaling=dict(LLAMA3_ROPE))}.get(family, {})  # a copy: transformers adds to it
+    return AutoConfig.for_model(MODEL_TYPES.get(family, family), **common, **extra)
+
+
+def _family(family: str):
+    return GGUF_ARCHITECTURES[MODEL_TYPES.get(family, family)]
 
 
 def _student(family: str, tokenizer, path, preset: str = "q4_0"):
@@ -114,6 +125,7 @@ def _unpermute(x: np.ndarray, n_head: int) -> np.ndarray:
 
 EXPECTED_KEYS = {  # beyond the common sizes: what each converter class adds
     "llama": {"llama.vocab_size": None, "llama.rope.dimension_count": 16, "llama.attention.key_length": 16},
+    "llama3": {"llama.vocab_size": None, "llama.rope.dimension_count": 16, "llama.rope.freq_base": 1e4},
     "mistral": {"llama.vocab_size": None, "llama.rope.dimension_count": 16},
     "qwen2": {"qwen2.rope.freq_base": None},
     "qwen3": {"qwen3.attention.key_length": 128, "qwen3.attention.value_length": 128},
@@ -128,7 +140,7 @@ EXPECTED_KEYS = {  # beyond the common sizes: what each converter class adds
 def test_family_gguf_metadata_and_bit_exact_tensors(family, exported):
     student, tokenizer, root, report = exported[family]
     config = student.config
-    arch = GGUF_ARCHITECTURES[family].arch
+    arch = _family(family).arch
     fields, tensors = _fields(root / "gguf" / GGUF_FILE)
     assert fields["general.architecture"] == arch
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
@@ -143,7 +155,7 @@ def test_family_gguf_metadata_and_bit_exact_tensors(family, exported):
     gguf_name, _ = tensor_naming(config)
     layers = {n: m for n, m in student.named_modules() if isinstance(m, FakeQuantLinear)}
     assert report["exact_layers"] == len(layers) == (8 if family == "phi3" else 14)  # phi3: qkv, gate_up fused
-    permute = GGUF_ARCHITECTURES[family].permute_qk
+    permute = _family(family).permute_qk
     for name, layer in layers.items():
         t = tensors[gguf_name(f"{name}.weight")]
         assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0, name
@@ -159,6 +171,7 @@ def test_family_gguf_metadata_and_bit_exact_tensors(family, exported):
         shift = 1.0 if family == "gemma3_text" else 0.0
         assert np.array_equal(stored, value.numpy() + np.float32(shift)), key
     assert ("output.weight" in tensors) == (not config.tie_word_embeddings)
+    assert ("rope_freqs.weight" in tensors) == (family == "llama3")  # written only for a llama3 rope
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
@@ -191,6 +204,12 @@ def test_transformers_reads_each_family_back_with_the_students_logits(family, ex
     extra = {"query_pre_attn_scalar": 16} if family == "gemma3_text" else {}
     loaded = AutoModelForCausalLM.from_pretrained(str(root / "gguf"), gguf_file=GGUF_FILE, dtype=torch.float32,
                                                   attn_implementation="eager", **extra).eval()
+    if family == "llama3":
+        # transformers' GGUF reader ignores rope_freqs.weight (the plain rope, ~5 logits off); divide its frequencies
+        # by the file's factors as llama.cpp does
+        assert loaded.config.rope_parameters["rope_type"] == "default"
+        factors = torch.from_numpy(np.array(_fields(root / "gguf" / GGUF_FILE)[1]["rope_freqs.weight"].data))
+        loaded.model.rotary_emb.inv_freq = loaded.model.rotary_emb.inv_freq / factors
     ids = torch.randint(5, student.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for p in {student.get_input_embeddings().weight, student.get_output_embeddings().weight}:
@@ -217,7 +236,7 @@ def test_lora_adapter_gguf_per_family(family, tokenizers_by_style, tmp_path):
     peft = _adapted(_student(family, tokenizer, tmp_path / "hf"))
     info = save_gguf_lora(peft, tmp_path / "gguf")
     fields, tensors = _fields(tmp_path / "gguf" / ADAPTER_FILE)
-    assert fields["general.architecture"] == GGUF_ARCHITECTURES[family].arch and fields["adapter.type"] == "lora"
+    assert fields["general.architecture"] == _family(family).arch and fields["adapter.type"] == "lora"
     gguf_name, permuted = tensor_naming(peft.get_base_model().config)
     wrapped = {n.removeprefix("base_model.model."): m for n, m in peft.named_modules()
                if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
@@ -233,7 +252,13 @@ def test_lora_adapter_gguf_per_family(family, tokenizers_by_style, tmp_path):
 @pytest.mark.parametrize("config,match", [
     (dict(model_type="gpt_neox"), "model_type 'gpt_neox' is not written yet"),
     (dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=32), "query_pre_attn_scalar 32 != head_dim"),
-    (dict(model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_type 'llama3'"),
+    (dict(model_type="qwen2", rope_parameters={**LLAMA3_ROPE, "rope_theta": 1e6}), "rope_type 'llama3'"),
+    (dict(model_type="gemma3_text", head_dim=16, rope_parameters={**LLAMA3_ROPE, "rope_theta": 1e6}),
+     "rope_type 'llama3'"),
+    (dict(model_type="llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}),
+     "rope_type 'yarn'"),
+    (dict(model_type="llama", rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
+     "rope_type 'llama3' needs factor, low_freq_factor < high_freq_factor"),
     (dict(model_type="phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_type 'longrope'"),
     (dict(model_type="qwen2", use_sliding_window=True), "sliding-window attention"),
     (dict(model_type="mistral", sliding_window=4096, max_position_embeddings=32768), "sliding_window 4096 < context"),
@@ -244,6 +269,49 @@ def test_settings_llama_cpp_would_compute_differently_are_refused(config, match)
     with pytest.raises(ValueError, match=match) as err:
         gguf_architecture(SimpleNamespace(num_attention_heads=4, hidden_size=64, **config))
     assert "--format packed, dense or compressed-tensors" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_llama3_rope_factors_are_what_transformers_divides_its_frequencies_by(exported):
+    # llama.cpp runs a llama3 rope as the plain rope with each frequency divided by rope_freqs.weight[i] (and no
+    # rope scaling keys, which would scale it again): those factors must be transformers' own, base / llama3 freq
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    student, _, root, _ = exported["llama3"]
+    fields, tensors = _fields(root / "gguf" / GGUF_FILE)
+    stored = tensors["rope_freqs.weight"]
+    assert stored.tensor_type == gguf.GGMLQuantizationType.F32 and stored.n_elements == 16 // 2  # head_dim / 2
+    config = student.config
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    assert torch.equal(theirs, student.model.rotary_emb.inv_freq)  # the model's own frequencies
+    base = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    expected = (base / theirs.double()).numpy()
+    np.testing.assert_allclose(np.array(stored.data, dtype=np.float64), expected, rtol=1e-6, atol=0)
+    factors = np.array(stored.data)
+    # kept, blended and divided frequencies, so every branch of the formula is covered
+    assert factors[0] == 1.0 and 1.0 < factors[1] < 32.0 and factors[-1] == 32.0
+    assert not any(k.startswith("llama.rope.scaling") for k in fields)
+
+
+def test_llama3_rope_of_a_released_llama_32():
+    # Llama 3.2 1B's config.json (its head 64 wide, base, scaling), as `qat-lora export` checks it before building
+    # the student and as transformers reads it: 32 factors, equal to transformers' to float32 precision
+    from types import SimpleNamespace
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from qat_lora.export.gguf.arch import generated_tensors
+
+    raw = dict(model_type="llama", hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+               max_position_embeddings=131072, rope_theta=5e5,
+               rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8192})
+    assert gguf_architecture(SimpleNamespace(**raw)).arch == "llama"
+    config = LlamaConfig(**raw)
+    factors = generated_tensors(config)["rope_freqs.weight"]
+    np.testing.assert_array_equal(generated_tensors(SimpleNamespace(**raw))["rope_freqs.weight"], factors)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    base = 1.0 / (5e5 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    assert factors.dtype == np.float32 and factors.shape == (32,)
+    np.testing.assert_allclose(factors, (base / theirs.double()).numpy(), rtol=1e-6, atol=0)
+    assert generated_tensors(LlamaConfig(hidden_size=64, num_attention_heads=4)) == {}  # the plain rope: nothing
 
 
 def test_gemma3_layer_pattern_and_linear_rope_scaling_keys():

@@ -3,7 +3,9 @@
 keys, the names of its tensors, and what the converter does to them on the way:
 
     llama, mistral  -> llama:  q/k rows permuted (llama.cpp's rope pairs neighbouring dimensions, HF's halves);
-                       no sliding window (a Mistral whose window is shorter than its context is refused)
+                       no sliding window (a Mistral whose window is shorter than its context is refused);
+                       Llama 3.1+ rope scaling (rope_type llama3) as llama.cpp's `rope_freqs.weight`: head_dim / 2
+                       F32 factors it divides each rope frequency by, and no rope scaling keys
     qwen2, qwen3    -> qwen2 / qwen3: NEOX rope, rows as they are; q/k/v biases, q/k norms
     gemma3_text     -> gemma3: every RMSNorm weight stored as 1 + w (HF's Gemma3RMSNorm computes x * (1 + w));
                        the embedding scale sqrt(hidden) and the tied head are llama.cpp's own; sliding-window
@@ -13,8 +15,9 @@ keys, the names of its tensors, and what the converter does to them on the way:
 
 Permuting rows moves whole rows, so every quantisation block (a run of columns of one row) lands intact, and a
 +1 on a norm touches only full-precision vectors: the quantised linears stay bit-exact in every family.
-Anything llama.cpp would compute differently (rope scaling other than linear, Gemma's attention scale other than
-1/sqrt(head_dim), Qwen2's sliding window, ...) is refused in one line that names the formats that work.
+Anything llama.cpp would compute differently (rope scaling other than linear, or than linear and llama3 on the
+llama architecture; Gemma's attention scale other than 1/sqrt(head_dim), Qwen2's sliding window, ...) is refused in
+one line that names the formats that work.
 """
 from __future__ import annotations
 
@@ -59,7 +62,13 @@ def _rope_kind(params: dict) -> str:
     return params.get("rope_type", params.get("type")) or "default"
 
 
-def _check_rope(config, allowed: tuple[str, ...]) -> None:
+# rope_type values written per llama.cpp architecture (others: default, linear). Phi-3's scaled ropes (longrope)
+# need llama.cpp's long / short factor tensors, not written here.
+ROPE_TYPES: dict[str, tuple[str, ...]] = {"llama": ("default", "linear", "llama3"), "phi3": ("default",)}
+
+
+def _check_rope(config, arch: str) -> None:
+    allowed = ROPE_TYPES.get(arch, ("default", "linear"))
     full, sliding = _rope(config)
     for params in (full, sliding or {}):
         if _rope_kind(params) not in allowed:
@@ -67,6 +76,46 @@ def _check_rope(config, allowed: tuple[str, ...]) -> None:
                              f"{config.model_type} (only {', '.join(allowed)}); {OTHER_FORMATS}")
     if sliding and _rope_kind(sliding) != "default":  # llama.cpp scales only the global layers' positions
         raise ValueError(f"--format gguf: scaled rope on sliding-window layers is not in llama.cpp; {OTHER_FORMATS}")
+    if _rope_kind(full) == "llama3":
+        _llama3_params(config, full)  # refuses incomplete parameters here, before anything is written
+
+
+def _llama3_params(config, params: dict) -> tuple[float, float, float, int]:
+    """(factor, low_freq_factor, high_freq_factor, original context) of a llama3 rope, where transformers reads
+    them: the original context from the rope parameters, else the config, else max_position_embeddings."""
+    factor, low, high = (params.get(k) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    context = next((c for c in (params.get("original_max_position_embeddings"),
+                                getattr(config, "original_max_position_embeddings", None),
+                                getattr(config, "max_position_embeddings", None)) if c), None)
+    if None in (factor, low, high, context) or not high > low:
+        raise ValueError(f"--format gguf: rope_type 'llama3' needs factor, low_freq_factor < high_freq_factor and "
+                         f"original_max_position_embeddings (got {factor}, {low}, {high}, {context}); {OTHER_FORMATS}")
+    return float(factor), float(low), float(high), int(context)
+
+
+def llama3_rope_factors(config) -> np.ndarray | None:
+    """What llama.cpp divides each rope frequency by for a llama3 rope ([head_dim / 2] float32), None for another
+    rope. transformers' _compute_llama3_parameters keeps frequencies whose wavelength is under context /
+    high_freq_factor, divides those over context / low_freq_factor by `factor`, and in between blends the two:
+    inv * ((1 - s) / factor + s), s = (context / wavelength - low) / (high - low). Clipping s to [0, 1] gives all
+    three cases from that one expression (s = 1: kept, s = 0: / factor), so the factor is its reciprocal."""
+    full, _ = _rope(config)
+    if _rope_kind(full) != "llama3":
+        return None
+    factor, low, high, context = _llama3_params(config, full)
+    head_dim = _heads(config)[2]
+    inv_freq = float(full["rope_theta"]) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = np.clip((context * inv_freq / (2 * np.pi) - low) / (high - low), 0.0, 1.0)
+    return (1.0 / ((1.0 - smooth) / factor + smooth)).astype(np.float32)
+
+
+def generated_tensors(config) -> dict[str, np.ndarray]:
+    """{llama.cpp tensor name: F32 array} for what its converter generates beside the model's own tensors: a
+    llama3 rope's `rope_freqs.weight` (llama.cpp reads it on every layer; with it no rope scaling key is written)."""
+    factors = llama3_rope_factors(config)
+    if factors is None:
+        return {}
+    return {f"{_gguf().TENSOR_NAMES[_gguf().MODEL_TENSOR.ROPE_FREQS]}.weight": factors}
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -87,7 +136,7 @@ def _common_keys(writer, config) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv)
-    if _rope_kind(full) == "linear":
+    if _rope_kind(full) == "linear":  # llama3: no key, its factors are a tensor (generated_tensors)
         writer.add_rope_scaling_type(_gguf().RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(full["factor"]))
     writer.add_rope_freq_base(float(full["rope_theta"]))
@@ -205,7 +254,7 @@ def gguf_architecture(config) -> GGUFFamily:
         # would attend further than the model does
         raise ValueError(f"--format gguf: sliding_window {window} < context {context}: llama.cpp runs "
                          f"{config.model_type} without a window; {OTHER_FORMATS}")
-    _check_rope(config, ("default",) if family.arch == "phi3" else ("default", "linear"))
+    _check_rope(config, family.arch)
     if family.arch == "gemma3":
         _check_gemma3(config)
     return family

@@ -14,7 +14,8 @@ checked by dequantising what was written. Metadata: copied from the teacher's GG
 one (the quantisation keys are ours); otherwise as llama.cpp's convert_hf_to_gguf writes them for each family of
 GGUF_ARCHITECTURES (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3: `<arch>.*` hyper-parameters, tensor names and
 transforms in arch.py) with the tokenizer as it writes it (byte-level BPE or SentencePiece: vocab.py);
-1-D tensors (norms, biases) F32, other full-precision matrices (embeddings, an untied head) F16.
+1-D tensors (norms, biases) F32, other full-precision matrices (embeddings, an untied head) F16, and what the
+converter generates from the config (a Llama 3 rope's `rope_freqs.weight` factors, arch.generated_tensors) F32.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from torch import nn
 # The family table, naming and tokenizer live in arch.py / vocab.py; re-exported here, where the export
 # and tests/test_families.py look for them.
 from qat_lora.export.gguf.arch import (  # noqa: F401
-    GGUF_ARCHITECTURES, GGUFFamily, _gguf, add_metadata, full_precision, gguf_architecture, tensor_naming)
+    GGUF_ARCHITECTURES, GGUFFamily, _gguf, add_metadata, full_precision, generated_tensors, gguf_architecture,
+    tensor_naming)
 from qat_lora.export.gguf.kquant import PACKERS as KQUANT_PACKERS, pack_kquant
 from qat_lora.export.gguf.vocab import add_tokenizer, pre_tokenizer_name  # noqa: F401
 from qat_lora.export.tensors import full_precision_tensors
@@ -187,6 +189,8 @@ def save_gguf(model: nn.Module, out_dir: str | Path, tokenizer, name: str = "stu
         else:
             add_metadata(writer, config, name)
             add_tokenizer(writer, tokenizer, config.vocab_size)
+        for key, x in generated_tensors(config).items():  # a Llama 3 rope's factors (F32), first as the converter
+            writer.add_tensor(key, x)
         layers = quantised_layers(model)
         report: dict = {"layers": {}}
         stored_bits = weights = 0  # the quantised linears' bits per weight as stored (Q4_0: 4.5, Q4_K: 4.5, ...)
