@@ -116,9 +116,20 @@ def test_latent_weights_and_quantisers_get_their_own_learning_rates(teacher_dir,
     assert lora_group["lr"] == 1e-3 and lora_group["weight_decay"] == 0.1
     assert quant_group["lr"] == 5e-5 and quant_group["weight_decay"] == 0.0
     assert len(lora_group["params"]) + len(quant_group["params"]) == len(params)
-    for flag in ("weight_lr_ratio", "quantizer_lr_ratio"):
+    # --zero-lr-ratio: the zeros (offsets) in a group of their own at that fraction of the quantiser's rate
+    cfg = _cfg(teacher_dir, cache_dir, tmp_path, preset="qat", lr=1e-3, quantizer_lr_ratio=0.5, zero_lr_ratio=0.2)
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), "qat")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    scale_group, zero_group = build_optimizer(cfg, model, params).param_groups
+    assert {id(p) for p in zero_group["params"]} == {id(q) for q in quantizer_parameters(model, names=("zero",))}
+    assert scale_group["params"] and all(n.endswith(".scale") for n, p in params.items()
+                                         if id(p) in {id(q) for q in scale_group["params"]})
+    assert scale_group["lr"] == 5e-4 and zero_group["lr"] == pytest.approx(1e-4) and zero_group["weight_decay"] == 0.0
+    for flag in ("weight_lr_ratio", "quantizer_lr_ratio", "zero_lr_ratio"):
         with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
             _cfg(teacher_dir, cache_dir, tmp_path, **{flag: 0.0})
+    # recovery-lora trains no quantiser: the flag is refused when typed (refuse_unused_flags)
+    assert "zero_lr_ratio" in _cfg(teacher_dir, cache_dir, tmp_path, preset="recovery-lora").unused_flags()
 
 
 def _heldout(teacher_dir, cache_dir, run: Path | None, quantizer: Path | None = None) -> float:

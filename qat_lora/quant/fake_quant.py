@@ -268,9 +268,11 @@ def quantised_layers(model: nn.Module) -> dict[str, FakeQuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
 
 
-def quantizer_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Every quantiser parameter of every FakeQuantLinear (scales, zeros, codebooks, low-rank factors)."""
-    return [p for m in model.modules() if isinstance(m, FakeQuantLinear) for p in m.quant_parameters().values()]
+def quantizer_parameters(model: nn.Module, names: tuple[str, ...] | None = None) -> list[nn.Parameter]:
+    """Every quantiser parameter of every FakeQuantLinear (scales, zeros, codebooks, low-rank factors), or only
+    those named `names` (e.g. ("zero",): integer zeros and fp16 offsets)."""
+    return [p for m in model.modules() if isinstance(m, FakeQuantLinear)
+            for name, p in m.quant_parameters().items() if names is None or name in names]
 
 
 def latent_weights(model: nn.Module) -> list[nn.Parameter]:

@@ -121,6 +121,10 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
     quantizer_lr_ratio: float = field(default=1.0, metadata={"help": "qat, qat+lora, weight-qat: learning rate of the "
                                                                      "quantiser's scales and zeros as a fraction of "
                                                                      "--lr (qat+lora: the adapter keeps --lr)"})
+    zero_lr_ratio: float = field(default=1.0, metadata={"help": "qat, qat+lora, weight-qat: learning rate of the "
+                                                                "zero points / fp16 offsets as a fraction of the "
+                                                                "quantiser's (an offset moves every weight of its "
+                                                                "group at once: it may want a lower rate)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (inf: no clipping)"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
@@ -192,10 +196,10 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
         require_positive(self, "max_steps", "batch_size", "accumulation_steps", "log_steps")
         require_non_negative(self, "num_chips", note=" (0 = every chip of the host)")
         require_non_negative(self, "save_steps", "keep_checkpoints", "eval_steps", "warmup_steps", note=" (0 = off)")
-        require_positive(self, "lr", "weight_lr_ratio", "quantizer_lr_ratio", "lora_alpha", "temperature",
+        require_positive(self, "lr", "weight_lr_ratio", "quantizer_lr_ratio", "zero_lr_ratio", "lora_alpha", "temperature",
                          "dist_timeout_s", finite=True)
         require_at_most(self, lr=MAX_LR, temperature=MAX_TEMPERATURE, weight_lr_ratio=MAX_LR_RATIO,
-                        quantizer_lr_ratio=MAX_LR_RATIO)
+                        quantizer_lr_ratio=MAX_LR_RATIO, zero_lr_ratio=MAX_LR_RATIO)
         # clip_grad_norm_ scales by max_norm / norm capped at 1: a negative norm reverses the update, 0 erases it;
         # inf is a valid "no clipping" (the factor caps at 1).
         require_positive(self, "max_grad_norm", "lora_r")
@@ -261,7 +265,7 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
         if "weights" not in trains:
             unused["weight_lr_ratio"] = f"--preset weight-qat (--preset {self.preset} trains no latent weights)"
         if "quantizer" not in trains:
-            unused["quantizer_lr_ratio"] = (f"a preset that trains the quantiser (--preset qat, qat+lora or "
+            unused["zero_lr_ratio"] = unused["quantizer_lr_ratio"] = (f"a preset that trains the quantiser (--preset qat, qat+lora or "
                                             f"weight-qat, not {self.preset})")
         if not self.online_teacher:
             unused["online_teacher_dtype"] = "--online-teacher (the cache's targets have no dtype to choose)"

@@ -21,14 +21,22 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, 
                     ) -> torch.optim.Optimizer:
     """AdamW in up to three groups: the adapter (--lr), the quantisers' scales and zeros (--lr x
     --quantizer-lr-ratio: Adam moves each parameter by about its rate per step, and a scale here is ~0.1, so the
-    adapter's rate would move a grid by 1-2 % per step) and trained latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
+    adapter's rate would move a grid by 1-2 % per step; its zeros / offsets at --zero-lr-ratio of that) and trained
+    latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
     decay would pull them towards zero, off the grid the quantiser was fitted to."""
     weights = {id(p) for p in latent_weights(model) if p.requires_grad}
     quantizer = {id(p) for p in quantizer_parameters(model) if p.requires_grad}
+    # --zero-lr-ratio other than 1: the zeros / offsets in a group of their own (at 1 the group stays one, so the
+    # optimizer state of a run written before the flag existed still loads)
+    zeros = {id(p) for p in quantizer_parameters(model, names=("zero",)) if p.requires_grad} \
+        if cfg.zero_lr_ratio != 1.0 else set()
+    quantizer_lr = cfg.lr * cfg.quantizer_lr_ratio
     groups = [{"params": [p for p in params.values() if id(p) not in weights | quantizer]},
-              {"params": [p for p in params.values() if id(p) in quantizer], "lr": cfg.lr * cfg.quantizer_lr_ratio,
+              {"params": [p for p in params.values() if id(p) in quantizer - zeros], "lr": quantizer_lr,
                "weight_decay": 0.0},
               {"params": [p for p in params.values() if id(p) in weights], "lr": cfg.lr * cfg.weight_lr_ratio,
+               "weight_decay": 0.0},
+              {"params": [p for p in params.values() if id(p) in zeros], "lr": quantizer_lr * cfg.zero_lr_ratio,
                "weight_decay": 0.0}]
     # CUDA: the fused kernel, one launch for every tensor instead of several per tensor (the same update, to
     # rounding). XLA traces the plain loop into the step's graph anyway; the CPU has no fused AdamW for fp32 here.
