@@ -3,9 +3,11 @@
 On a lent GPU machine (the `run` device tool runs a bash command in the repository root; torch, transformers,
 peft, safetensors, tokenizers and numpy are there, no internet, no gguf package):
 
-    pip install --no-deps -e . && python benchmarks/gpu_check.py --json $OUT/gpu_check.json
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl   # gguf, carried as a wheel
+    export PYTHONPATH=/tmp/site:$PWD; python3 -m pip install -q --no-deps --no-build-isolation -e .
+    python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --work /tmp/gcw --budget-s 510
 
-with the tool's timeout_s=600. Budget: a lent task has 15 minutes of device time, machine start included, so the
+with the tool's timeout_s=585 (docs/BENCHMARKS.md, "The GPU check"). Budget: a lent task has 15 minutes of device time, machine start included, so the
 script stops starting stages after --budget-s (default 480 s) and writes the JSON after every stage: a command
 killed at its limit still leaves the stages it finished in $OUT. On this 2-core CPU, the smoke run (< 2 minutes):
 

@@ -33,6 +33,7 @@ def test_compile_flag_is_checked_and_auto_compiles_on_cuda_only(teacher_dir):
     assert compile_decoder_layers_(student, "auto", torch.device("cpu"), "bf16") == 0
     assert compile_decoder_layers_(student, "auto", torch.device("cuda"), "fp32") == 0
     assert compile_decoder_layers_(student, "off", torch.device("cuda"), "bf16") == 0
+    assert compile_decoder_layers_(student, "auto", torch.device("cuda"), "bf16", checkpointing=True) == 0
     assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(student))
 
 

@@ -171,8 +171,9 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
                                                                  "memory; recovery-lora) or auto (bf16 when "
                                                                  "recovery-lora computes in bf16, else fp32)"})
     compile: str = field(default="auto", metadata={"help": "torch.compile each decoder layer: on, off, or auto (on "
-                                                           "CUDA with bf16 storage; XLA compiles the step's graph "
-                                                           "anyway, the CPU's compile time outweighs it)"})
+                                                           "CUDA with bf16 storage and no activation checkpointing; "
+                                                           "XLA compiles the step's graph anyway, the CPU's compile "
+                                                           "time outweighs it)"})
     precision: str = PrecisionInput.precision_field()
     matmul_precision: str = PrecisionInput.matmul_precision_field("; recorded in config.json")
     loss_chunk_size: int = field(default=-1, metadata={"help": "positions per lm_head+loss chunk, each chunk's "

@@ -184,7 +184,7 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
     model = backend.shard_model_(set_storage_dtype_(model, storage), device)  # fsdp: split as it moves
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing_(model, device)
-    compiled = compile_decoder_layers_(model, cfg.compile, device, storage)
+    compiled = compile_decoder_layers_(model, cfg.compile, device, storage, cfg.gradient_checkpointing)
     model.train()
     params = trainable_parameters(model)
     optimizer = build_optimizer(cfg, model, params)

@@ -111,14 +111,15 @@ def resolve_storage_dtype(storage: str, preset: str, amp_dtype: torch.dtype | No
     return "bf16" if TRAIN_PRESETS[preset] == ("lora",) and amp_dtype == torch.bfloat16 else "fp32"
 
 
-def compile_decoder_layers_(model: torch.nn.Module, mode: str, device: torch.device, storage: str) -> int:
+def compile_decoder_layers_(model: torch.nn.Module, mode: str, device: torch.device, storage: str,
+                            checkpointing: bool = False) -> int:
     """--compile: torch.compile each decoder layer in place (`Module.compile`: parameter names, saved files and the
     optimizer's view unchanged), after placement. auto compiles on CUDA when the frozen student is stored in bf16
     (`storage`, resolved): each Wq is then a plain parameter and a layer is one graph, shared by every layer;
     a cached or trained Wq's bookkeeping would break the graph at every linear. XLA traces the step into one graph
-    already; on the CPU the compile time outweighs the gain at the sizes trained there. Returns the number of
-    layers compiled (0: eager)."""
-    if mode == "off" or (mode == "auto" and (device.type != "cuda" or storage != "bf16")):
+    already; on the CPU the compile time outweighs the gain at the sizes trained there; with activation
+    checkpointing (not measured compiled) auto stays eager. Returns the number of layers compiled (0: eager)."""
+    if mode == "off" or (mode == "auto" and (device.type != "cuda" or storage != "bf16" or checkpointing)):
         return 0
     if dev.is_xla(device):
         raise ValueError("--compile on: on XLA the step is already one compiled graph (torch.compile would trace "
