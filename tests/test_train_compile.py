@@ -101,7 +101,7 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(four_layer_dir, cache
         return  # the cached Wq's bookkeeping breaks the graph (correct, slower): auto compiles bf16 storage only
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     # One graph for the first layer (its input needs no gradient), one for every other: no graph per layer (past
-    # dynamo's recompile limit, 8, the remaining layers would run eager), no KV cache built by training's forward.
+    # dynamo's recompile limit, 8, the remaining layers would run eager: the layers get no KV cache).
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     torch._dynamo.reset()
 

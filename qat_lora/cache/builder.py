@@ -316,7 +316,7 @@ def _build_split(cfg, teacher, device, backend: Backend, encoding, split: str, p
                 # SPMD: rows split over the devices and the logits kept split the same way; the selection is per
                 # row, so no device ever holds the whole B x L x V.
                 placed = backend.shard_rows_(torch.from_numpy(ids).to(device))
-                logits = backend.shard_rows_(teacher(input_ids=placed, use_cache=False).logits)
+                logits = backend.shard_rows_(teacher(input_ids=placed).logits)
             seeds = [_row_seed(cfg.seed, split, int(r)) for r in batch_rows]
             # The whole padded batch is selected (a short last batch compiles no second graph on XLA) and its
             # graph launched; the last batch's results come to the host while this one computes (one transfer

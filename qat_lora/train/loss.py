@@ -364,9 +364,9 @@ def teacher_targets(teacher: torch.nn.Module, batch: dict[str, torch.Tensor],
         lm_head (and soft-cap) inside the loss's chunk loop.
     """
     if chunk_size <= 0:
-        return {"teacher_logits": teacher(input_ids=batch["input_ids"], use_cache=False).logits}, None
+        return {"teacher_logits": teacher(input_ids=batch["input_ids"]).logits}, None
     decoder, head = models.decoder_and_head(teacher, apply_softcap=True)  # applied in `_position_sums`
-    return ({"teacher_hidden": decoder(input_ids=batch["input_ids"], use_cache=False).last_hidden_state},
+    return ({"teacher_hidden": decoder(input_ids=batch["input_ids"]).last_hidden_state},
             (*models.head_weight_and_bias(head), models.logit_softcap(teacher.config)))
 
 
@@ -384,9 +384,9 @@ def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KD
         extra, teacher_head = teacher_targets(teacher, batch, chunk_size)
         batch = {**{k: v for k, v in batch.items() if k not in TARGET_KEYS}, **extra}
     if chunk_size <= 0:
-        return kd_loss(model(input_ids=batch["input_ids"], use_cache=False).logits, batch, cfg)
+        return kd_loss(model(input_ids=batch["input_ids"]).logits, batch, cfg)
     decoder, head = models.decoder_and_head(model, apply_softcap=True)
-    hidden = decoder(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
+    hidden = decoder(input_ids=batch["input_ids"]).last_hidden_state
     weight, bias = models.head_weight_and_bias(head)
     cfg = replace(cfg, logit_softcap=models.logit_softcap(model.config))
     return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias, teacher_head)

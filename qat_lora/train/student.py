@@ -126,8 +126,20 @@ def compile_decoder_layers_(model: torch.nn.Module, mode: str, device: torch.dev
                          "it again); drop --compile or pass --compile auto")
     layers = decoder_layers(model)
     for layer in layers:
+        layer.register_forward_pre_hook(_without_kv_cache, with_kwargs=True)
         layer.compile(dynamic=False)  # fixed batch and sequence shapes: one graph per layer signature
     return len(layers)
+
+
+def _without_kv_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A compiled decoder layer gets no KV cache. The model builds one (without it transformers checks the
+    positions for packed sequences, a host read per forward); a layer would index it by its own layer_idx, a
+    constant that makes every layer a graph of its own (past dynamo's limit of 8, the rest run eager). Training
+    never reads the cache back."""
+    return args, {**kwargs, **{k: None for k in KV_CACHE_KWARGS if k in kwargs}}
+
+
+KV_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # the name differs between transformers versions
 
 
 @torch.no_grad()
