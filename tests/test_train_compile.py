@@ -115,3 +115,15 @@ def test_train_records_storage_and_compile_in_config(teacher_dir, cache_dir, tmp
     with pytest.raises(ValueError, match=r"^--storage-dtype bf16 --preset qat: "):
         TrainConfig(model=str(teacher_dir), quant="w4g32", preset="qat", storage_dtype="bf16")
     TrainConfig(model=str(teacher_dir), quant="w4g32", preset="qat")  # auto resolves to fp32 there: accepted
+
+
+def test_compile_on_is_refused_on_xla_before_the_run_folder_is_touched(teacher_dir, cache_dir, tmp_path, monkeypatch):
+    from qat_lora.runtime import device as dev
+
+    # an XLA device as the trainer would resolve it, without starting a PJRT client in this process
+    monkeypatch.setattr(dev, "resolve_device", lambda _: torch.device("xla"))
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"^--compile on: on XLA"):
+        train(TrainConfig(model=str(teacher_dir), cache=str(cache_dir), quant="w4g32", out=str(out), max_steps=1,
+                          batch_size=2, lora_r=4, compile="on"), log=lambda _: None)
+    assert not out.exists()

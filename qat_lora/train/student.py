@@ -111,6 +111,17 @@ def resolve_storage_dtype(storage: str, preset: str, amp_dtype: torch.dtype | No
     return "bf16" if TRAIN_PRESETS[preset] == ("lora",) and amp_dtype == torch.bfloat16 else "fp32"
 
 
+def check_compile(mode: str, device: torch.device) -> None:
+    """--compile on is refused on XLA (the trainer asks before anything is written).
+
+    Raises:
+        ValueError: one line naming the flag and the fix.
+    """
+    if mode == "on" and dev.is_xla(device):
+        raise ValueError("--compile on: on XLA the step is already one compiled graph (torch.compile would trace "
+                         "it again); drop --compile or pass --compile auto")
+
+
 def compile_decoder_layers_(model: torch.nn.Module, mode: str, device: torch.device, storage: str,
                             checkpointing: bool = False) -> int:
     """--compile: torch.compile each decoder layer in place (`Module.compile`: parameter names, saved files and the
@@ -119,11 +130,9 @@ def compile_decoder_layers_(model: torch.nn.Module, mode: str, device: torch.dev
     a cached or trained Wq's bookkeeping would break the graph at every linear. XLA traces the step into one graph
     already; on the CPU the compile time outweighs the gain at the sizes trained there; with activation
     checkpointing (not measured compiled) auto stays eager. Returns the number of layers compiled (0: eager)."""
+    check_compile(mode, device)
     if mode == "off" or (mode == "auto" and (device.type != "cuda" or storage != "bf16" or checkpointing)):
         return 0
-    if dev.is_xla(device):
-        raise ValueError("--compile on: on XLA the step is already one compiled graph (torch.compile would trace "
-                         "it again); drop --compile or pass --compile auto")
     layers = decoder_layers(model)
     for layer in layers:
         layer.register_forward_pre_hook(_without_kv_cache, with_kwargs=True)

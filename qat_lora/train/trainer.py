@@ -52,7 +52,7 @@ from qat_lora.train.metrics import kd_metrics
 from qat_lora.train.reporting import open_reporters
 from qat_lora.quant.fake_quant import quantized_weights_once_per_step, quantizer_parameters
 from qat_lora.train.run import Run, check_out, finished_run, rows_per_micro_step, set_up
-from qat_lora.train.student import save_artifacts
+from qat_lora.train.student import check_compile, save_artifacts
 
 
 RERUN = "rerun the same command with --resume auto to continue"
@@ -69,6 +69,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
         SystemExit: 128 + signal number after SIGTERM/SIGINT, once a checkpoint is saved.
     """
     device = dev.resolve_device(cfg.device)
+    check_compile(cfg.compile, device)
     if cfg.loss_chunk_size < 0:  # auto: config.json and checkpoints record the size that ran, resumes compare it
         cfg = dataclasses.replace(cfg, loss_chunk_size=precision.default_loss_chunk_size(device))
     cache = KDCache(cfg.cache)  # the inputs first: a missing cache is the error to report, not where --out is
