@@ -253,12 +253,14 @@ def _quantize_modules(modules: dict[str, FakeQuantLinear], h: torch.Tensor, damp
     groups GPTQ fits itself (int, offset) are solved as one stacked matrix: one column loop for q/k/v, not three."""
     report, pending = {}, list(modules.items())
     while pending:
-        name, first = pending[0]
-        stack = [(n, m) for n, m in pending if m.quantizer.gptq_fits_groups and first.quantizer.gptq_fits_groups
-                 and (m.cfg, m.group_size) == (first.cfg, first.group_size)] or [pending[0]]
+        first = pending[0][1]
+        stack = [pending[0]] + ([(n, m) for n, m in pending[1:] if m.quantizer.gptq_fits_groups
+                                 and (m.cfg, m.group_size) == (first.cfg, first.group_size)]
+                                if first.quantizer.gptq_fits_groups else [])
         pending = [item for item in pending if item not in stack]
         start = time.perf_counter()
-        weights = [m.weight.detach().float().to(h.device) for _, m in stack]  # overwritten below: keep W
+        # a copy: _write_ overwrites the latent weight, and the error report compares against W
+        weights = [m.weight.detach().to(h.device, torch.float32, copy=True) for _, m in stack]
         rows = [w.shape[0] for w in weights]
         result = gptq_quantize(torch.cat(weights), h, first.cfg, first.group_size, damp=damp, act_order=act_order,
                                params=first.quant_parameters() if len(stack) == 1 else None)

@@ -140,6 +140,9 @@ def compile_decoder_layers_(model: torch.nn.Module, mode: str, device: torch.dev
     return len(layers)
 
 
+KV_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # the name differs between transformers versions
+
+
 def _without_kv_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A compiled decoder layer gets no KV cache. The model builds one (without it transformers checks the
     positions for packed sequences, a host read per forward); a layer would index it by its own layer_idx, a
@@ -147,8 +150,6 @@ def _without_kv_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
     never reads the cache back."""
     return args, {**kwargs, **{k: None for k in KV_CACHE_KWARGS if k in kwargs}}
 
-
-KV_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # the name differs between transformers versions
 
 
 @torch.no_grad()
