@@ -19,7 +19,7 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
                     ) -> torch.optim.Optimizer:
-    """AdamW in up to three groups: the adapter (--lr), the quantisers' scales and zeros (--lr x
+    """AdamW in up to four groups: the adapter (--lr), the quantisers' scales and zeros (--lr x
     --quantizer-lr-ratio: Adam moves each parameter by about its rate per step, and a scale here is ~0.1, so the
     adapter's rate would move a grid by 1-2 % per step; its zeros / offsets at --zero-lr-ratio of that) and trained
     latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
