@@ -31,6 +31,9 @@ the process's peak RSS), through the toolkit's own commands where one exists:
               (bf16, static KV cache; tokens/s over its whole run, compilation included; 2N)
     train_eager, train_fp32   variant_steps of train from the GPTQ start, --compile off, and also --storage-dtype
               fp32 (the step before issue 46): what each default buys, measured beside it
+    profile   variant_steps of train (the defaults) under torch.profiler, PROFILE_STEPS steps recorded after the
+              compile has settled: the top device kernels (WORK/logs/profile_table.txt) and the device's busy
+              share of those steps' wall time, for the MFU work
 N counts every parameter once (the tied head included); attention's L^2 term is left out. A failed stage keeps
 its exit code, error and log tail, later stages run where their inputs exist, and the script exits 1. The JSON:
 card, versions, commit, date, sizes; per stage rc, wall_s, gpu_peak_mib, host_peak_rss_mib, tokens_per_s, mfu and
@@ -72,7 +75,7 @@ SIZES = {  # defaults of the size flags per shape
                  ppl_tokens=2_000, holdout_fraction=0.1),  # ~50 documents: 2 % of them could be none
 }
 STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "train_fp32", "train_eager",
-          "generate")
+          "generate", "profile")
 # Short runs of the train stage beside it, from the same GPTQ start with a zero adapter: what the defaults (bf16
 # storage, compiled layers on CUDA) buy, one flag at a time.
 TRAIN_VARIANTS = {"train_eager": ["--compile", "off"], "train_fp32": ["--storage-dtype", "fp32", "--compile", "off"]}
@@ -82,7 +85,7 @@ QUANT, LORA_R, BASELINE_STEPS = "w4g64", 16, 20
 CHILD_ENV = {"TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 NEEDS = {"forward": ["setup"], "peft": ["setup"], "cache": ["setup"], "quantize": ["cache"], "train": ["cache"],
          "train_eager": ["cache"], "train_fp32": ["cache"], "generate": ["setup"],
-         "eval": ["cache"], "export": ["setup"]}  # stages whose output a stage reads; the others it uses if present
+         "eval": ["cache"], "export": ["setup"], "profile": ["cache"]}  # stages whose output a stage reads; the others it uses if present
 MARKER = ".gpu_check"  # proves --work is this script's folder before a rerun replaces it
 
 
@@ -185,6 +188,49 @@ def _baseline(p: dict) -> dict:
     return _timed(step, p)
 
 
+PROFILE_WAIT, PROFILE_STEPS = 20, 5  # optimizer steps skipped (compile, warm-up), then recorded
+
+
+def _profiled(argv: list[str], table_path: str) -> tuple[int, dict]:
+    """Run a `qat-lora train` command line under torch.profiler, stepped by every optimizer step (a global
+    post-step hook): PROFILE_STEPS steps after PROFILE_WAIT + 2. Returns its exit code and the kernel summary."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from qat_lora.commands.cli import main
+
+    marks: list[float] = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, schedule=schedule(wait=PROFILE_WAIT, warmup=2, active=PROFILE_STEPS))
+
+    def step(*_):
+        marks.append(time.perf_counter())
+        prof.step()
+
+    hook = register_optimizer_step_post_hook(step)
+    try:
+        with prof:
+            code = main(argv)
+    finally:
+        hook.remove()
+    first = PROFILE_WAIT + 2  # marks[i] is the end of optimizer step i + 1
+    if len(marks) < first + PROFILE_STEPS:
+        return code, {"error": f"only {len(marks)} optimizer steps; the profile needs {first + PROFILE_STEPS}"}
+    averages = prof.key_averages()
+    key = "self_cpu_time_total" if not torch.cuda.is_available() else \
+        "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    Path(table_path).write_text(averages.table(sort_by=key, row_limit=60, max_name_column_width=90))
+    rows = sorted(((e.key, getattr(e, key), e.count) for e in averages if getattr(e, key) > 0), key=lambda t: -t[1])
+    device_us = sum(t for _, t, _ in rows)  # self times (of device kernels on a GPU): no double count
+    wall_us = (marks[first + PROFILE_STEPS - 1] - marks[first - 1]) * 1e6
+    return code, {"profiled_steps": PROFILE_STEPS, "step_ms": round(wall_us / PROFILE_STEPS / 1e3, 2),
+                  "device_busy_ms_per_step": round(device_us / PROFILE_STEPS / 1e3, 2),
+                  "device_busy_share": round(device_us / wall_us, 3),
+                  "top": [{"name": n[:120], "ms_per_step": round(t / PROFILE_STEPS / 1e3, 3), "calls_per_step":
+                           round(c / PROFILE_STEPS, 1), "share": round(t / device_us, 4)} for n, t, c in rows[:25]]}
+
+
 def _child(record_path: str, argv: list[str]) -> int:
     """Run one stage (a qat-lora command line, or `setup` / `baseline` with JSON parameters) in this process and
     write its exit code, peak memory and result to `record_path`."""
@@ -193,6 +239,8 @@ def _child(record_path: str, argv: list[str]) -> int:
         if argv[0] in ("setup", "baseline"):
             result = (_make_assets if argv[0] == "setup" else _baseline)(json.loads(argv[1]))
             code = 0
+        elif argv[0] == "profile":
+            code, result = _profiled(argv[2:], argv[1])
         else:
             from qat_lora.commands.cli import main
 
@@ -347,6 +395,13 @@ def _command_lines(a, s: dict, work: Path, ctx: dict) -> dict:
             "--lora-r", str(LORA_R), "--max-steps", str(s["variant_steps"]), "--batch-size", str(s["batch_size"]),
             "--precision", "bf16", "--device", dev, "--log-steps", str(max(1, s["variant_steps"] // 10)), *flags])
            for name, flags in TRAIN_VARIANTS.items()},
+        "profile": lambda: ["profile", str(work / "logs" / "profile_table.txt"), "train", "--model", model,
+                            "--quant", QUANT, "--cache", cache, "--out", str(work / "profile"),
+                            *(["--quantizer", str(quantizer)] if quantizer.exists() else []), "--preset",
+                            "recovery-lora", "--lora-r", str(LORA_R), "--max-steps",
+                            str(max(s["variant_steps"], PROFILE_WAIT + 2 + PROFILE_STEPS)),
+                            "--batch-size", str(s["batch_size"]), "--precision", "bf16", "--device", dev,
+                            "--log-steps", "10", *a.train_args.split()],
         "generate": lambda: ["generate-data", "--model", model, "--data", str(work / "data" / "train"),
                              "--out", str(work / "self"), "--tokens", str(s["generate_tokens"]),
                              "--max-new-tokens", "128", "--batch-size", "64", "--device", dev],

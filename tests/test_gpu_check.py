@@ -14,7 +14,7 @@ from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "train_fp32", "train_eager",
-          "generate")
+          "generate", "profile")
 
 
 @pytest.mark.slow
@@ -40,6 +40,9 @@ def test_gpu_check_runs_every_stage_on_the_cpu(tmp_path):
     assert stages["export"]["result"]["format"] == report["export_format"] and stages["export"]["result"]["bytes"] > 0
     assert stages["generate"]["result"]["generated_tokens"] >= 512 and stages["generate"]["result"]["complete"]
     assert stages["train_eager"]["result"]["steps"] == stages["train_fp32"]["result"]["steps"] == 3
+    profile = stages["profile"]["result"]  # on the CPU the host's op times stand in for the device's kernels
+    assert profile["profiled_steps"] == 5 and profile["step_ms"] > 0 and profile["top"][0]["ms_per_step"] > 0
+    assert (tmp_path / "work" / "logs" / "profile_table.txt").stat().st_size > 0
     assert set(report["ratios"]) == {"train_vs_peft", "cache_vs_forward", "train_vs_train_eager", "train_vs_train_fp32",
                                      "train_eager_vs_peft", "train_fp32_vs_peft"}
     assert report["chain_s"] == pytest.approx(sum(stages[k]["wall_s"] for k in ("cache", "quantize", "train", "eval",
