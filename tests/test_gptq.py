@@ -154,8 +154,8 @@ def test_group_now_equals_eager_update():
     eager = w.clone()
     eager[:, 4:] -= err1[:, :2] @ u[2:4, 4:]  # the update the two columns 2, 3 of block [2, 6) owe
     eager[:, 2:6] = w1
-    assert torch.allclose(_group_now(w, w1, [err1[:, 0], err1[:, 1]], u, 2, 2, 9), eager[:, 4:9], atol=1e-6)
-    assert torch.equal(_group_now(w, w1, [], u, 2, 0, 9), torch.cat([w1, w[:, 6:9]], 1))  # nothing owed yet
+    assert torch.allclose(_group_now(w, w1.T, [err1[:, 0], err1[:, 1]], u, 2, 2, 9), eager[:, 4:9], atol=1e-6)
+    assert torch.equal(_group_now(w, w1.T, [], u, 2, 0, 9), torch.cat([w1, w[:, 6:9]], 1))  # nothing owed yet
 
 
 @pytest.mark.parametrize("damp", [0.01, 0.1])
@@ -289,8 +289,9 @@ def test_layers_sharing_an_input_are_solved_as_one_stacked_matrix(monkeypatch):
 
 
 def test_the_column_loop_dispatches_few_ops_per_column():
-    """On a GPU the column loop is bound by launching its small ops (one H200: ~20 us each from Python): the
-    loop of an int grid dispatches under 12 ops per column (views included), 10.6 against 27.5 before."""
+    """On a GPU the column loop is bound by launching its small ops (one H200, 2026-11-28: GPTQ of the 1B took
+    153 s at 10.6 ops per column, ~46 us each from Python): the loop of an int grid dispatches under 7.5 ops per
+    column (views included), 6.7 against 10.6 and 27.5 before."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -303,4 +304,4 @@ def test_the_column_loop_dispatches_few_ops_per_column():
     w, _, h = _fixture(7)
     with Count():
         gptq_quantize(w, h, QuantConfig(bits=4, group_size=64), 64)
-    assert Count.ops / IN < 12, Count.ops / IN
+    assert Count.ops / IN < 7.5, Count.ops / IN
