@@ -74,8 +74,8 @@ SIZES = {  # defaults of the size flags per shape
     "tiny": dict(steps=20, variant_steps=3, generate_tokens=512, cache_tokens=8_192, calib_sequences=8, batch_size=4, seq_len=64, tokenizer_vocab=300,
                  ppl_tokens=2_000, holdout_fraction=0.1),  # ~50 documents: 2 % of them could be none
 }
-STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "train_fp32", "train_eager",
-          "generate", "profile")
+STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "profile", "generate",
+          "train_eager", "train_fp32")
 # Short runs of the train stage beside it, from the same GPTQ start with a zero adapter: what the defaults (bf16
 # storage, compiled layers on CUDA) buy, one flag at a time.
 TRAIN_VARIANTS = {"train_eager": ["--compile", "off"], "train_fp32": ["--storage-dtype", "fp32", "--compile", "off"]}
@@ -218,11 +218,16 @@ def _profiled(argv: list[str], table_path: str) -> tuple[int, dict]:
     if len(marks) < first + PROFILE_STEPS:
         return code, {"error": f"only {len(marks)} optimizer steps; the profile needs {first + PROFILE_STEPS}"}
     averages = prof.key_averages()
-    key = "self_cpu_time_total" if not torch.cuda.is_available() else \
+    cuda = torch.cuda.is_available()
+    key = "self_cpu_time_total" if not cuda else \
         "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
     Path(table_path).write_text(averages.table(sort_by=key, row_limit=60, max_name_column_width=90))
-    rows = sorted(((e.key, getattr(e, key), e.count) for e in averages if getattr(e, key) > 0), key=lambda t: -t[1])
-    device_us = sum(t for _, t, _ in rows)  # self times (of device kernels on a GPU): no double count
+    # On a GPU only the kernels themselves (device events): an op's row repeats its kernels' time.
+    from torch.autograd import DeviceType
+
+    rows = sorted(((e.key, getattr(e, key), e.count) for e in averages if getattr(e, key) > 0 and
+                   (not cuda or e.device_type == DeviceType.CUDA)), key=lambda t: -t[1])
+    device_us = sum(t for _, t, _ in rows)
     wall_us = (marks[first + PROFILE_STEPS - 1] - marks[first - 1]) * 1e6
     return code, {"profiled_steps": PROFILE_STEPS, "step_ms": round(wall_us / PROFILE_STEPS / 1e3, 2),
                   "device_busy_ms_per_step": round(device_us / PROFILE_STEPS / 1e3, 2),
@@ -291,6 +296,12 @@ def _grep(log: Path, pattern: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+def _phases(log: Path, prefix: str) -> dict:
+    """{phase: seconds} from the last line starting with `prefix` that lists them ("..., hessians 1.2 s, ...")."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if prefix in line] if log.exists() else []
+    return {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", lines[-1])} if lines else {}
+
+
 def _stage_results(name: str, record: dict, work: Path, ctx: dict) -> None:
     """Add the stage's own figures (its report files and log lines) to `record`; tokens/s and MFU where they apply."""
     log, res, flops = work / "logs" / f"{name}.log", record.setdefault("result", {}), None
@@ -305,7 +316,8 @@ def _stage_results(name: str, record: dict, work: Path, ctx: dict) -> None:
                    teacher_loop_s=loop_s, tokens_per_s=round(tokens / loop_s, 1) if loop_s else None)
         flops = 2
     elif name == "quantize":
-        res.update(_scalars(json.loads((work / "init" / "quantize.json").read_text())))
+        report = json.loads((work / "init" / "quantize.json").read_text())
+        res.update(_scalars(report), gptq_phases={k: round(v, 2) for k, v in report.get("gptq", {}).get("phases", {}).items()})
     elif name == "train" or name in TRAIN_VARIANTS:
         from qat_lora.runtime.runs import read_metrics
 
@@ -315,7 +327,8 @@ def _stage_results(name: str, record: dict, work: Path, ctx: dict) -> None:
         steady = [r["tokens_per_s"] for r in records[1:]] or [summary["tokens_per_s"]]  # the first warms up
         res.update(_scalars(summary), loop_tokens_per_s=summary["tokens_per_s"],
                    tokens_per_s=round(statistics.median(steady), 1),
-                   calibrated_init_s=_grep(log, r"calibrated LoRA init: .*\((\d+) s\)"),
+                   calibrated_init_s=_grep(log, r"calibrated LoRA init: .*\((\d+) s"),
+                   calibrated_init_phases=_phases(log, "calibrated LoRA init: "),
                    first_loss=records[0]["loss"] if records else None, last_loss=records[-1]["loss"] if records else None)
         flops = 4
     elif name == "generate":

@@ -13,8 +13,8 @@ import pytest
 from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "train_fp32", "train_eager",
-          "generate", "profile")
+STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "profile", "generate",
+          "train_eager", "train_fp32")
 
 
 @pytest.mark.slow

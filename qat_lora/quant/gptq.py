@@ -30,6 +30,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from qat_lora.quant import blocks
+from qat_lora.runtime import device as dev
 
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, quantised_layers
 from qat_lora.quant.quantizer import ColumnGrid, quantizer_for
@@ -295,12 +296,15 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
         device: where each decoder layer runs while it is quantised (None: where it is). Only that layer and
             one batch of its activations are on the device at a time; the layer goes back where it was after.
     Returns:
-        {"layers": {module name: {"init_err", "gptq_err", "seconds"}}, "seconds": total} where the errors are
-        ‖ΔW Xᵀ‖ / ‖W Xᵀ‖ (see `relative_error`) of the previous init and of GPTQ.
+        {"layers": {module name: {"init_err", "gptq_err", "seconds"}}, "seconds": total, "phases": {capture,
+        hessians, solve, forward: seconds}} where the errors are ‖ΔW Xᵀ‖ / ‖W Xᵀ‖ (see `relative_error`) of the
+        previous init and of GPTQ.
     """
     start, was_training = time.perf_counter(), model.training
     model.eval()  # no dropout in the statistics
+    clock = dev.PhaseClock(device if device is not None else next(model.parameters()).device)
     inputs = blocks.capture_block_inputs(model, calibration_batches)
+    clock.lap("capture")
     report: dict[str, dict] = {}
     for index, layer in enumerate(blocks.decoder_layers(model)):
         home = next(layer.parameters()).device
@@ -311,6 +315,7 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
         if modules:
             with full_precision(list(modules.values())):
                 hessians = collect_hessians(layer, inputs, modules, to=solve_on)
+            clock.lap("hessians")
             by_input: dict[int, dict[str, FakeQuantLinear]] = {}  # modules sharing an H (q/k/v, gate/up)
             for name, module in modules.items():
                 by_input.setdefault(id(hessians[name]), {})[name] = module
@@ -318,10 +323,13 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
                 h = hessians[next(iter(group))]
                 report.update({f"layers.{index}.{n}": r for n, r in _quantize_modules(group, h, damp, act_order).items()})
             del hessians, h
+            clock.lap("solve")
             errs = [report[f"layers.{index}.{n}"] for n in modules]
             log(f"gptq layer {index}: mean rel. output error {sum(e['init_err'] for e in errs) / len(errs):.4f} "
                 f"-> {sum(e['gptq_err'] for e in errs) / len(errs):.4f}")
         inputs = inputs.with_hidden(blocks.run_block(layer, inputs))
         layer.to(home)
+        clock.lap("forward")
     model.train(was_training)
-    return {"layers": report, "seconds": time.perf_counter() - start}
+    log(f"gptq phases: {clock.summary()}")
+    return {"layers": report, "seconds": time.perf_counter() - start, "phases": clock.seconds}

@@ -24,6 +24,7 @@ from qat_lora.data import models
 from qat_lora.quant.calibration import calibration_batches
 from qat_lora.quant.gptq import collect_hessians
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
+from qat_lora.runtime import device as dev
 
 
 def add_recovery_lora_(model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0):
@@ -185,7 +186,8 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
         device: where each decoder layer (student and reference) runs in turn, then goes back where it was
             (None: where it is); the Cholesky and SVD run there on CUDA, else on the host (XLA lowers neither).
     Returns:
-        {"layers": {name: share of the layer's output error removed}, "removed": mean share, "seconds"}.
+        {"layers": {name: share of the layer's output error removed}, "removed": mean share, "seconds", "phases":
+        {capture, hessians, solve, forward: seconds} (CUDA: the device waited for at each boundary)}.
     Raises:
         ValueError: the model has no LoRA over a quantised linear, or `reference` has other layers.
     """
@@ -198,7 +200,9 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
     if not any(_lora_layers(layer) for layer in layers):
         raise ValueError("calibrated_lora_init_: no LoRA adapter over a quantised linear; call add_recovery_lora_ "
                          "first")
+    clock = dev.PhaseClock(device if device is not None else next(model.parameters()).device)
     inputs = blocks.capture_block_inputs(model, batches)
+    clock.lap("capture")
     removed: dict[str, float] = {}
     for index, (layer, ref_layer) in enumerate(zip(layers, ref_layers)):
         loras = _lora_layers(layer)
@@ -209,6 +213,7 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
         ref_layer.to(run_on)
         if loras:
             hessians = collect_hessians(layer, inputs, {n: m.base_layer for n, m in loras.items()}, to=solve_on)
+            clock.lap("hessians")
             factors: dict[int, torch.Tensor] = {}  # one Cholesky per distinct input (q/k/v share theirs)
             for name, lora in loras.items():
                 key = lora.active_adapters[0]
@@ -225,14 +230,16 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
                 b.copy_((left * fold).to(b.dtype))
                 a.copy_((right * fold).to(a.dtype))
                 removed[f"layers.{index}.{name}"] = float(kept.sum() / total.clamp(min=1e-300))
+            clock.lap("solve")
         inputs = inputs.with_hidden(blocks.run_block(layer, inputs))
         layer.to(homes[0])
         ref_layer.to(homes[1])
+        clock.lap("forward")
     model.train(was_training)
     share = sum(removed.values()) / len(removed)
     log(f"calibrated LoRA init: {share:.1%} of the layers' output error energy removed on average "
-        f"({time.perf_counter() - start:.0f} s)")
-    return {"layers": removed, "removed": share, "seconds": time.perf_counter() - start}
+        f"({time.perf_counter() - start:.0f} s: {clock.summary()})")
+    return {"layers": removed, "removed": share, "seconds": time.perf_counter() - start, "phases": clock.seconds}
 
 
 def lora_start_(model: nn.Module, lora_init: str, model_path: str, cache_dir: str, sequences: int, batch_size: int,
