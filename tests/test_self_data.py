@@ -30,6 +30,10 @@ def _cfg(teacher_dir, corpus_dir, out, **kw) -> GenerateDataConfig:
     return GenerateDataConfig(**{**base, **kw})
 
 
+def _records_of(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def _records(folder) -> list[dict]:
     return [json.loads(line) for p in sorted(folder.glob("part-*.jsonl")) for line in p.read_text().splitlines()]
 
@@ -42,6 +46,9 @@ def test_corpus_prefixes_are_continued_within_the_budget(teacher_dir, corpus_dir
     assert all(0 <= r["tokens"] <= 20 for r in records)
     # Sampling stops at the first batch (4 samples x <= 20 tokens) that reaches the budget.
     assert 600 <= report["generated_tokens"] == sum(r["tokens"] for r in records) < 600 + 4 * 20
+    first = sum(r["tokens"] for r in _records_of(tmp_path / "self" / "part-00000.jsonl"))  # compiles, elsewhere
+    assert 0 < report["first_shard_seconds"] <= report["seconds"] + 0.05
+    assert report["tokens_per_s_after_first_shard"] > 0 and first < report["generated_tokens"]
     corpus = (corpus_dir / "a.txt").read_text() + (corpus_dir / "b.txt").read_text()
     prompts = corpus_prompts(list_text_files([corpus_dir]), tokenizer, 8, 64, len(records))
     assert len(set(prompts)) == len(records) and all(p in corpus for p in prompts)

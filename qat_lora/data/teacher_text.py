@@ -263,6 +263,7 @@ def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Calla
     # Shards of shard_samples samples until the token budget is met: shard i's prompts (samples i*n ..) and
     # seeds depend only on i, so a rerun skips the finished shards and continues exactly where it stopped.
     started, tokens, samples, index = time.perf_counter(), 0, 0, 0
+    first_shard: tuple[float, int] | None = None  # (end time, tokens) of the first shard sampled: compiles included
     with tqdm(total=cfg.tokens, unit="tok", unit_scale=True, desc="generate-data", disable=not progress) as bar:
         while tokens < cfg.tokens:
             path = out / SHARD.format(index=index)
@@ -280,9 +281,14 @@ def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Calla
                                  "other prompts, --raw-prompts or a higher --temperature")
             atomic_write_text(path, "\n".join(lines) + "\n")  # a full disk: no half shard, one line naming it
             samples, index = samples + len(lines), index + 1
+            first_shard = first_shard or (time.perf_counter(), tokens)
     report = {**owner_stamp("generate-data"), "config": asdict(cfg), **inputs, "complete": True, "prompts": len(prompts),
               "chat": chat, "samples": samples, "shards": index, "generated_tokens": tokens,
               "seconds": round(time.perf_counter() - started, 1)}
+    if first_shard is not None:  # the rate once the decode step is compiled: the first shard's time set apart
+        report["first_shard_seconds"] = round(first_shard[0] - started, 1)
+        after_s, after_tokens = time.perf_counter() - first_shard[0], tokens - first_shard[1]
+        report["tokens_per_s_after_first_shard"] = round(after_tokens / after_s, 1) if after_tokens else None
     atomic_write_json(out / REPORT_FILE, report)
     log(f"{tokens:,} generated tokens in {samples} samples: {out} (build a cache with --data {out}"
         + (" --chat)" if chat else ")"))
