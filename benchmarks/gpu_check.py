@@ -30,11 +30,12 @@ the process's peak RSS), through the toolkit's own commands where one exists:
     generate  qat-lora generate-data: --generate-tokens sampled in 128-token continuations of GENERATE_BATCH
               prompts at once (bf16, static KV cache; tokens/s after the first shard, which compiles the decode
               step, and overall_tokens_per_s; 2N)
-    train_eager, train_fp32   variant_steps of train from the GPTQ start, --compile off, and also --storage-dtype
-              fp32 (the step before issue 46): what each default buys, measured beside it
+    train_graphs, train_eager, train_fp32   variant_steps of train from the GPTQ start with --compile graphs
+              (CUDA graphs: the step was bound by the host's launches), --compile off, and --compile off
+              --storage-dtype fp32 (the step before issue 46): what each buys, measured beside the defaults
     profile   variant_steps of train (the defaults) under torch.profiler, PROFILE_STEPS steps recorded after the
-              compile has settled: the top device kernels (WORK/logs/profile_table.txt) and the device's busy
-              share of those steps' wall time, for the MFU work
+              compile has settled: the top device kernels (WORK/logs/profile_table.txt; the host's ops by self
+              CPU time in profile_table_cpu.txt) and the device's busy share of those steps' wall time
 N counts every parameter once (the tied head included); attention's L^2 term is left out. A failed stage keeps
 its exit code, error and log tail, later stages run where their inputs exist, and the script exits 1. The JSON:
 card, versions, commit, date, sizes; per stage rc, wall_s, gpu_peak_mib, host_peak_rss_mib, tokens_per_s, mfu and
@@ -75,11 +76,12 @@ SIZES = {  # defaults of the size flags per shape
     "tiny": dict(steps=20, variant_steps=3, generate_tokens=512, cache_tokens=8_192, calib_sequences=8, batch_size=4, seq_len=64, tokenizer_vocab=300,
                  ppl_tokens=2_000, holdout_fraction=0.1),  # ~50 documents: 2 % of them could be none
 }
-STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "profile", "generate",
-          "train_eager", "train_fp32")
+STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "train_graphs", "profile",
+          "generate", "train_eager", "train_fp32")
 # Short runs of the train stage beside it, from the same GPTQ start with a zero adapter: what the defaults (bf16
 # storage, compiled layers on CUDA) buy, one flag at a time.
-TRAIN_VARIANTS = {"train_eager": ["--compile", "off"], "train_fp32": ["--storage-dtype", "fp32", "--compile", "off"]}
+TRAIN_VARIANTS = {"train_graphs": ["--compile", "graphs"], "train_eager": ["--compile", "off"],
+                  "train_fp32": ["--storage-dtype", "fp32", "--compile", "off"]}
 CHAIN = ("cache", "quantize", "train", "eval", "export")  # the user's recovery, end to end
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QUANT, LORA_R, BASELINE_STEPS = "w4g64", 16, 20
@@ -87,7 +89,7 @@ GENERATE_BATCH = {"llama-3.2-1b": 256, "tiny": 2}  # prompts per generate call (
 # reading the weights once per step, so tokens/s grow with the batch (64: ~15 k tokens/s on one H200)
 CHILD_ENV = {"TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 NEEDS = {"forward": ["setup"], "peft": ["setup"], "cache": ["setup"], "quantize": ["cache"], "train": ["cache"],
-         "train_eager": ["cache"], "train_fp32": ["cache"], "generate": ["setup"],
+         "train_eager": ["cache"], "train_fp32": ["cache"], "train_graphs": ["cache"], "generate": ["setup"],
          "eval": ["cache"], "export": ["setup"], "profile": ["cache"]}  # stages whose output a stage reads; the others it uses if present
 MARKER = ".gpu_check"  # proves --work is this script's folder before a rerun replaces it
 
@@ -225,6 +227,9 @@ def _profiled(argv: list[str], table_path: str) -> tuple[int, dict]:
     key = "self_cpu_time_total" if not cuda else \
         "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
     Path(table_path).write_text(averages.table(sort_by=key, row_limit=60, max_name_column_width=90))
+    # The host's side (what launches the kernels, Python included under each op): by self CPU time.
+    Path(table_path).with_name(Path(table_path).stem + "_cpu.txt").write_text(
+        averages.table(sort_by="self_cpu_time_total", row_limit=80, max_name_column_width=90))
     # On a GPU only the kernels themselves (device events): an op's row repeats its kernels' time.
     from torch.autograd import DeviceType
 
@@ -492,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                               *TRAIN_VARIANTS)}
         report["ratios"] = {f"{x}_vs_{y}": round(tps[x] / tps[y], 3) for x, y in (
             ("train", "peft"), ("cache", "forward"), ("train", "train_eager"), ("train", "train_fp32"),
-            ("train_eager", "peft"), ("train_fp32", "peft")) if tps[x] and tps[y]}
+            ("train_eager", "peft"), ("train_fp32", "peft"), ("train_graphs", "train"), ("train_graphs", "peft"))
+            if tps[x] and tps[y]}
         if all(report["stages"].get(k, {}).get("rc") == 0 for k in CHAIN):
             report["chain_s"] = round(sum(report["stages"][k]["wall_s"] for k in CHAIN), 1)
         tmp = json_path.with_suffix(".tmp")  # after every stage: a killed run keeps what it measured

@@ -13,8 +13,8 @@ import pytest
 from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "profile", "generate",
-          "train_eager", "train_fp32")
+STAGES = ("setup", "forward", "peft", "cache", "quantize", "train", "eval", "export", "train_graphs", "profile",
+          "generate", "train_eager", "train_fp32")
 
 
 @pytest.mark.slow
@@ -32,19 +32,21 @@ def test_gpu_check_runs_every_stage_on_the_cpu(tmp_path):
         assert record["rc"] == 0 and record["child_rc"] == 0, (name, record)
         assert record["wall_s"] > 0 and record["host_peak_rss_mib"] > 0, (name, record)
         assert record["gpu_peak_mib"] is None, (name, record)  # nothing touched CUDA on a CPU run
-    for name in ("forward", "peft", "cache", "train", "train_eager", "train_fp32", "generate"):
+    for name in ("forward", "peft", "cache", "train", "train_graphs", "train_eager", "train_fp32", "generate"):
         assert stages[name]["tokens_per_s"] > 0 and 0 < stages[name]["mfu"] < 1, (name, stages[name])
     assert stages["train"]["result"]["steps"] == 3 and stages["train"]["result"]["calibrated_init_s"] is not None
     assert stages["cache"]["result"]["tokens"] > 0 and stages["eval"]["result"]["ppl"] > 0
     assert stages["setup"]["result"]["model_vocab"] > stages["setup"]["result"]["tokenizer_vocab"]  # padded logits
     assert stages["export"]["result"]["format"] == report["export_format"] and stages["export"]["result"]["bytes"] > 0
     assert stages["generate"]["result"]["generated_tokens"] >= 512 and stages["generate"]["result"]["complete"]
-    assert stages["train_eager"]["result"]["steps"] == stages["train_fp32"]["result"]["steps"] == 3
+    assert all(stages[n]["result"]["steps"] == 3 for n in ("train_graphs", "train_eager", "train_fp32"))
     profile = stages["profile"]["result"]  # on the CPU the host's op times stand in for the device's kernels
     assert profile["profiled_steps"] == 5 and profile["step_ms"] > 0 and profile["top"][0]["ms_per_step"] > 0
     assert (tmp_path / "work" / "logs" / "profile_table.txt").stat().st_size > 0
+    assert (tmp_path / "work" / "logs" / "profile_table_cpu.txt").stat().st_size > 0
     assert set(report["ratios"]) == {"train_vs_peft", "cache_vs_forward", "train_vs_train_eager", "train_vs_train_fp32",
-                                     "train_eager_vs_peft", "train_fp32_vs_peft"}
+                                     "train_eager_vs_peft", "train_fp32_vs_peft", "train_graphs_vs_train",
+                                     "train_graphs_vs_peft"}
     assert report["chain_s"] == pytest.approx(sum(stages[k]["wall_s"] for k in ("cache", "quantize", "train", "eval",
                                                                               "export")), abs=0.2)
     assert report["card"] == "cpu" and report["versions"]["torch"] and report["date"]

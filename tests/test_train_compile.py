@@ -117,13 +117,33 @@ def test_train_records_storage_and_compile_in_config(teacher_dir, cache_dir, tmp
     TrainConfig(model=str(teacher_dir), quant="w4g32", preset="qat")  # auto resolves to fp32 there: accepted
 
 
-def test_compile_on_is_refused_on_xla_before_the_run_folder_is_touched(teacher_dir, cache_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["on", "graphs"])
+def test_compile_on_is_refused_on_xla_before_the_run_folder_is_touched(teacher_dir, cache_dir, tmp_path, monkeypatch,
+                                                                      mode):
     from qat_lora.runtime import device as dev
 
     # an XLA device as the trainer would resolve it, without starting a PJRT client in this process
     monkeypatch.setattr(dev, "resolve_device", lambda _: torch.device("xla"))
     out = tmp_path / "run"
-    with pytest.raises(ValueError, match=r"^--compile on: on XLA"):
+    with pytest.raises(ValueError, match=rf"^--compile {mode}: on XLA"):
         train(TrainConfig(model=str(teacher_dir), cache=str(cache_dir), quant="w4g32", out=str(out), max_steps=1,
-                          batch_size=2, lora_r=4, compile="on"), log=lambda _: None)
+                          batch_size=2, lora_r=4, compile=mode), log=lambda _: None)
     assert not out.exists()
+
+
+def test_compile_graphs_asks_inductor_for_cuda_graphs_and_marks_every_step(teacher_dir, cache_dir, tmp_path,
+                                                                         monkeypatch):
+    """--compile graphs: each layer compiled with mode reduce-overhead (Inductor's CUDA graphs; on the CPU it has
+    none, so the step is --compile on's) and the CUDA-graph runtime told of every optimizer step's start."""
+    compiled_with, marks = [], []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled_with.append(kw))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    student = build_student(StudentSpec(model=str(teacher_dir), quant="w4g32"))
+    assert compile_decoder_layers_(student, "graphs", torch.device("cuda"), "fp32") == len(decoder_layers(student))
+    assert compiled_with == [{"dynamic": False, "mode": "reduce-overhead"}] * len(decoder_layers(student))
+    compiled_with.clear()
+    out = tmp_path / "run"
+    summary = train(TrainConfig(model=str(teacher_dir), cache=str(cache_dir), quant="w4g32", out=str(out),
+                                max_steps=3, batch_size=2, lora_r=4, log_steps=1, compile="graphs"), log=lambda _: None)
+    assert summary["steps"] == 3 and len(marks) == 3 and len(compiled_with) == len(decoder_layers(student))
+    assert json.loads((out / "config.json").read_text())["compile"] == "graphs"

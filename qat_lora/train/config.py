@@ -34,7 +34,7 @@ TRAIN_PRESETS: dict[str, tuple[str, ...]] = {
 }
 PARALLEL_MODES = ("auto", "processes", "spmd", "fsdp")
 STORAGE_DTYPES = ("fp32", "bf16")
-COMPILE_MODES = ("auto", "on", "off")
+COMPILE_MODES = ("auto", "on", "off", "graphs")
 REPORT_TO = ("none", "tensorboard", "wandb")
 LORA_INITS = ("zero", "calibrated")
 
@@ -170,10 +170,12 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
                                                                  "once in bf16, no fp32 latent weight; half the "
                                                                  "memory; recovery-lora) or auto (bf16 when "
                                                                  "recovery-lora computes in bf16, else fp32)"})
-    compile: str = field(default="auto", metadata={"help": "torch.compile each decoder layer: on, off, or auto (on "
+    compile: str = field(default="auto", metadata={"help": "torch.compile each decoder layer: on, off, auto (on "
                                                            "CUDA with bf16 storage and no activation checkpointing; "
                                                            "XLA compiles the step's graph anyway, the CPU's compile "
-                                                           "time outweighs it)"})
+                                                           "time outweighs it), or graphs (on CUDA: as on, each "
+                                                           "layer's forward and backward replayed as CUDA graphs, "
+                                                           "for steps bound by launching kernels; elsewhere as on)"})
     precision: str = PrecisionInput.precision_field()
     matmul_precision: str = PrecisionInput.matmul_precision_field("; recorded in config.json")
     loss_chunk_size: int = field(default=-1, metadata={"help": "positions per lm_head+loss chunk, each chunk's "

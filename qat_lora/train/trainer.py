@@ -52,7 +52,7 @@ from qat_lora.train.metrics import kd_metrics
 from qat_lora.train.reporting import open_reporters
 from qat_lora.quant.fake_quant import quantized_weights_once_per_step, quantizer_parameters
 from qat_lora.train.run import Run, check_out, finished_run, rows_per_micro_step, set_up
-from qat_lora.train.student import check_compile, save_artifacts
+from qat_lora.train.student import begin_step, check_compile, save_artifacts
 
 
 RERUN = "rerun the same command with --resume auto to continue"
@@ -155,6 +155,7 @@ def _optimizer_step(run: Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dty
     flag (STAT_KEYS + 1), computed in the step's own graph; nothing is read to the host.
     """
     cfg, totals = run.cfg, {}
+    begin_step(cfg.compile)
     with quantized_weights_once_per_step(run.model, enabled=cfg.accumulation_steps > 1) as backward_quantizers:
         for micro in range(cfg.accumulation_steps):
             batch = next(batches)  # already on the device (dev.device_batches)
