@@ -305,3 +305,47 @@ def test_the_column_loop_dispatches_few_ops_per_column():
     with Count():
         gptq_quantize(w, h, QuantConfig(bits=4, group_size=64), 64)
     assert Count.ops / IN < 7.5, Count.ops / IN
+
+
+def test_block_graphs_are_built_once_per_shape_replayed_and_dropped_when_a_capture_fails(monkeypatch):
+    """The CUDA-graph path of the column loop, its plumbing checked on the CPU (capture needs CUDA): the first
+    block of each shape is solved eagerly and hands its graph that block as the reference; later blocks replay it,
+    each block's parameters land in its own groups; a failed capture leaves the loop eager, with one warning, and
+    every path gives the eager result bit for bit."""
+    import qat_lora.quant.gptq as gptq
+
+    built, replays = [], []
+
+    class FakeGraph:  # replays by solving the block eagerly, as a faithful graph would
+        def __init__(self, grid, w1t, v1, importance, group_size, expected):
+            built.append(tuple(w1t.shape))
+            self.grid, self.group_size = grid.for_block(w1t.shape[0] // group_size), group_size
+            assert all(torch.equal(a, b) for a, b in zip(self(w1t.clone(), v1, importance), expected))
+            replays.clear()
+
+        def __call__(self, w1t, v1, importance):
+            replays.append(1)
+            q, delta = gptq._aligned_block(w1t.clone(), v1, self.grid, self.group_size, importance)
+            return q, delta, *(p.clone() for p in self.grid.parameters().values())
+
+    w, _, h = _fixture(5)
+    w = torch.cat([w, w.flip(0)], 1)  # 256 columns: two blocks of 128
+    h = torch.block_diag(h, h) + 0.01 * torch.eye(2 * IN)
+    cfg = QuantConfig(bits=3, group_size=32)
+    eager = gptq_quantize(w, h, cfg, 32)
+    grid = quantizer_for(cfg, 32).column_grid(None, *w.shape, w.device)
+    monkeypatch.setattr(gptq, "_BlockGraph", FakeGraph)
+    graphs: dict = {}
+    got = gptq._gptq_quantize(w, h, 32, 0.01, False, 128, grid, graphs)
+    assert built == [(128, OUT)] and len(replays) == 1 and list(graphs.values())[0] is not None
+    assert all(torch.equal(got[k], eager[k]) for k in eager)
+
+    def refuse(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(gptq, "_BlockGraph", refuse)
+    graphs = {}
+    grid = quantizer_for(cfg, 32).column_grid(None, *w.shape, w.device)
+    with pytest.warns(RuntimeWarning, match="without a CUDA graph"):
+        got = gptq._gptq_quantize(w, h, 32, 0.01, False, 128, grid, graphs)
+    assert list(graphs.values()) == [None] and all(torch.equal(got[k], eager[k]) for k in eager)

@@ -16,13 +16,15 @@ that map it to itself, so QAT / recovery training continues from it.
 Everything runs once before training and may branch on values. `gptq_(..., device=...)` keeps only the current
 decoder layer and its calibration activations on the device (the rest of the model on the host, so a model larger
 than one chip works): the block forwards and XᵀX run there; the column loop runs where it is fast, on a CUDA
-device itself, else on the host CPU (XLA: torch_xla 2.9 lowers no Cholesky or triangular solve, and a column loop
-traced op by op would be a graph per column). float32, the Cholesky in float64.
+device itself (each block's loop replayed as a CUDA graph: `_BlockGraph`), else on the host CPU (XLA: torch_xla
+2.9 lowers no Cholesky or triangular solve, and a column loop traced op by op would be a graph per column).
+float32, the Cholesky in float64.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -66,9 +68,85 @@ def _group_now(w: torch.Tensor, w1t: torch.Tensor, deltas: list[torch.Tensor], v
     return torch.cat([inside, later], 1)
 
 
+def _aligned_block(w1t: torch.Tensor, v1: torch.Tensor, grid: ColumnGrid, group_size: int,
+                   importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ over one block whose groups lie inside it, on a block-local grid (group g = columns g*G ..): w1t
+    [columns, out] (updated in place), v1 [columns, columns] the block of the row-normalised factor. Returns the
+    grid values and rounding errors [out, columns]. Only tensor ops, no host read: a CUDA graph can replay it."""
+    columns, v_rows = w1t.unbind(0), v1.triu(1).unbind(0)
+    q_columns, deltas = [], []
+    for i, w_col in enumerate(columns):
+        if i % group_size == 0:
+            grid.fit_(i // group_size, w1t[i:i + group_size].T, importance[i:i + group_size])
+        q_col = grid.quantize(w_col, i // group_size)
+        delta = w_col - q_col
+        w1t.addr_(v_rows[i], delta, alpha=-1.0)  # OBS update of the rest of the block
+        q_columns.append(q_col)
+        deltas.append(delta)
+    return torch.stack(q_columns, 1), torch.stack(deltas, 1)
+
+
+class _BlockGraph:
+    """`_aligned_block` captured once as a CUDA graph for one block shape and grid kind, replayed for every block of
+    that shape: the column loop launches ~7 small kernels per column, which from Python costs the host ~30-50 us
+    each on a GPU machine (GPTQ of a 1B model: 153 s on one H200, docs/BENCHMARKS.md); a replay launches them all
+    at once. Built from a block already solved eagerly and kept only if its replay reproduces that block exactly.
+    """
+
+    def __init__(self, grid: ColumnGrid, w1t: torch.Tensor, v1: torch.Tensor, importance: torch.Tensor,
+                 group_size: int, expected: tuple[torch.Tensor, ...]) -> None:
+        self.w1t, self.v1, self.importance = w1t.clone(), v1.clone(), importance.clone()
+        self.grid = grid.for_block(w1t.shape[0] // group_size)
+        device = w1t.device
+        side = torch.cuda.Stream(device)  # warm-up off the capturing stream, as torch.cuda.graph asks
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            _aligned_block(self.w1t.clone(), self.v1, self.grid, group_size, self.importance)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.q, self.delta = _aligned_block(self.w1t, self.v1, self.grid, group_size, self.importance)
+        if not all(torch.equal(a, b) for a, b in zip(self(w1t, v1, importance), expected)):
+            raise RuntimeError("GPTQ block graph: its replay differs from the eager block")
+
+    def __call__(self, w1t: torch.Tensor, v1: torch.Tensor, importance: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [out, columns], delta [out, columns] and the block's grid parameters, as `_aligned_block` gives."""
+        self.w1t.copy_(w1t)
+        self.v1.copy_(v1)
+        self.importance.copy_(importance)
+        self.graph.replay()
+        return self.q.clone(), self.delta.clone(), *(p.clone() for p in self.grid.parameters().values())
+
+
+def _solve_aligned_block(w1t: torch.Tensor, v1: torch.Tensor, grid: ColumnGrid, group_size: int,
+                         importance: torch.Tensor, first_group: int, graphs: dict | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One aligned block into `grid`'s groups first_group ..: replayed from `graphs` (CUDA; keyed by shape and grid
+    kind, None there after a failed capture) or solved eagerly, the first block of a shape also capturing its graph."""
+    key = (grid.block_key(), tuple(w1t.shape), group_size) if graphs is not None else None
+    graph = graphs.get(key) if graphs is not None else None
+    if graph is not None:
+        q, delta, *params = graph(w1t, v1, importance)
+    else:
+        original = w1t.clone() if graphs is not None and key not in graphs else None
+        local = grid.for_block(w1t.shape[0] // group_size)
+        q, delta = _aligned_block(w1t, v1, local, group_size, importance)
+        params = list(local.parameters().values())
+        if original is not None:
+            try:
+                graphs[key] = _BlockGraph(grid, original, v1, importance, group_size, (q, delta, *params))
+            except RuntimeError as e:  # a grid whose fit reads the host, or a CUDA graph failure: stay eager
+                graphs[key] = None
+                warnings.warn(f"GPTQ: the column loop runs without a CUDA graph ({e})", RuntimeWarning, stacklevel=2)
+    for target, value in zip(grid.parameters().values(), params):
+        target[:, first_group:first_group + value.shape[1]].copy_(value)
+    return q, delta
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, group_size: int, *,
                   damp: float = 0.01, act_order: bool = False, block_size: int = 128,
-                  params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                  params: dict[str, torch.Tensor] | None = None,
+                  block_graphs: dict | None = None) -> dict[str, torch.Tensor]:
     """GPTQ-quantise one weight matrix onto a FakeQuantLinear grid.
 
     Args:
@@ -82,6 +160,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig,
         params: the layer's quantiser parameters (FakeQuantLinear.quant_parameters()): the grids GPTQ keeps
             fixed (lut: scale and codebook; kquant: the two-level scales) need them; int / offset grids refit
             each group's scale and zero.
+        block_graphs: on a CUDA device, the CUDA graphs of the column loop by block shape, shared between calls
+            (gptq_ passes one per run: every layer's q/k/v reuse one graph); None: a graph for this call only.
     Returns:
         {"weight": Wq [out, in]} and the parameters GPTQ chose (int: "scale" [out, groups] fp16-representable,
         "zero" [out, groups] integer or fp16 offset; lut: "scale", "codebook"; kquant: none); float32, on
@@ -92,19 +172,20 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig,
     _check_args(weight, hessian, cfg, group_size, damp, block_size)
     grid = quantizer_for(cfg, group_size).column_grid(params, *weight.shape, weight.device)
     if weight.device.type != "cpu":
-        return _gptq_quantize(weight, hessian, group_size, damp, act_order, block_size, grid)
+        graphs = ({} if block_graphs is None else block_graphs) if weight.device.type == "cuda" else None
+        return _gptq_quantize(weight, hessian, group_size, damp, act_order, block_size, grid, graphs)
     threads = torch.get_num_threads()
     # On the CPU the column loop is thousands of tiny ops: with more than one thread each pays OpenMP start-up
     # and, on a busy host, spin-waits (1536 x 576, w3g64, 2 busy cores: 75 s with 2 threads, 1.4 s with 1).
     torch.set_num_threads(1)
     try:
-        return _gptq_quantize(weight, hessian, group_size, damp, act_order, block_size, grid)
+        return _gptq_quantize(weight, hessian, group_size, damp, act_order, block_size, grid, None)
     finally:
         torch.set_num_threads(threads)
 
 
 def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float, act_order: bool,
-                   block_size: int, grid: ColumnGrid) -> dict[str, torch.Tensor]:
+                   block_size: int, grid: ColumnGrid, block_graphs: dict | None) -> dict[str, torch.Tensor]:
     out_features, in_features = weight.shape
     device = weight.device
     w = weight.detach().float().clone()
@@ -126,6 +207,10 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     # column. On an accelerator the column loop is bound by launching its small ops, so each op counts.
     v = u / torch.diagonal(u).unsqueeze(1)
     perm_host = perm.tolist()  # one read, not one per column
+    # Groups that start and end inside every block (a refitting grid in column order, block_size a multiple of the
+    # group): each block is then a function of its own columns only, `_aligned_block`, which a CUDA device replays
+    # as one graph (`_BlockGraph`). Otherwise groups may span blocks and owe the lazy update (`_group_now`).
+    aligned = grid.refits and not static and block_size % group_size == 0
     q_blocks = []
     for i1 in range(0, in_features, block_size):
         i2 = min(i1 + block_size, in_features)
@@ -133,20 +218,25 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
         # V's rows with the diagonal zeroed: the update of column i touches the whole block, where the columns up
         # to i get exactly -0 (V is upper triangular), so no per-column slicing: 6 dispatched ops per column.
         w1t = w[:, i1:i2].T.contiguous()
-        columns, v_rows = w1t.unbind(0), v[i1:i2, i1:i2].triu(1).unbind(0)
-        q_columns, deltas = [], []
-        for i, w_col in enumerate(columns):
-            col = i1 + i
-            if not static and col % group_size == 0:  # no permutation here: col is the original column
-                group_w = _group_now(w, w1t, deltas, v, i1, i, col + group_size)
-                grid.fit_(col // group_size, group_w, importance[col:col + group_size])
-            q_col = grid.quantize(w_col, perm_host[col] // group_size)
-            delta = w_col - q_col
-            w1t.addr_(v_rows[i], delta, alpha=-1.0)  # OBS update of the rest of the block
-            q_columns.append(q_col)
-            deltas.append(delta)
-        q_blocks.append(torch.stack(q_columns, 1))
-        w[:, i2:] -= torch.stack(deltas, 1) @ v[i1:i2, i2:]  # lazy update of the later blocks
+        if aligned:
+            q_block, delta_block = _solve_aligned_block(w1t, v[i1:i2, i1:i2], grid, group_size, importance[i1:i2],
+                                                        i1 // group_size, block_graphs)
+        else:
+            columns, v_rows = w1t.unbind(0), v[i1:i2, i1:i2].triu(1).unbind(0)
+            q_columns, deltas = [], []
+            for i, w_col in enumerate(columns):
+                col = i1 + i
+                if not static and col % group_size == 0:  # no permutation here: col is the original column
+                    group_w = _group_now(w, w1t, deltas, v, i1, i, col + group_size)
+                    grid.fit_(col // group_size, group_w, importance[col:col + group_size])
+                q_col = grid.quantize(w_col, perm_host[col] // group_size)
+                delta = w_col - q_col
+                w1t.addr_(v_rows[i], delta, alpha=-1.0)  # OBS update of the rest of the block
+                q_columns.append(q_col)
+                deltas.append(delta)
+            q_block, delta_block = torch.stack(q_columns, 1), torch.stack(deltas, 1)
+        q_blocks.append(q_block)
+        w[:, i2:] -= delta_block @ v[i1:i2, i2:]  # lazy update of the later blocks
     q = torch.cat(q_blocks, 1)
     wq = torch.empty_like(q)
     wq[:, perm] = q  # undo the act-order permutation
@@ -251,7 +341,8 @@ def _write_(module: FakeQuantLinear, result: dict[str, torch.Tensor]) -> None:
     module._cached_wq = None
 
 
-def _quantize_modules(modules: dict[str, FakeQuantLinear], h: torch.Tensor, damp: float, act_order: bool) -> dict:
+def _quantize_modules(modules: dict[str, FakeQuantLinear], h: torch.Tensor, damp: float, act_order: bool,
+                      block_graphs: dict | None = None) -> dict:
     """GPTQ modules fed the same input (H), in place, the column loop on `h`'s device; returns each one's errors
     before (previous init) and after, and seconds. Rows are independent given H, so modules of one grid whose
     groups GPTQ fits itself (int, offset) are solved as one stacked matrix: one column loop for q/k/v, not three."""
@@ -267,7 +358,7 @@ def _quantize_modules(modules: dict[str, FakeQuantLinear], h: torch.Tensor, damp
         weights = [m.weight.detach().to(h.device, torch.float32, copy=True) for _, m in stack]
         rows = [w.shape[0] for w in weights]
         result = gptq_quantize(torch.cat(weights), h, first.cfg, first.group_size, damp=damp, act_order=act_order,
-                               params=first.quant_parameters() if len(stack) == 1 else None)
+                               params=first.quant_parameters() if len(stack) == 1 else None, block_graphs=block_graphs)
         seconds = (time.perf_counter() - start) / len(stack)
         parts = [result] if len(stack) == 1 else [dict(zip(result, p)) for p in zip(*(v.split(rows) for v in result.values()))]
         for (n, m), w, mine in zip(stack, weights, parts):
@@ -306,6 +397,7 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
     inputs = blocks.capture_block_inputs(model, calibration_batches)
     clock.lap("capture")
     report: dict[str, dict] = {}
+    block_graphs: dict = {}  # on CUDA: the column loop's graphs by block shape, shared by every layer
     for index, layer in enumerate(blocks.decoder_layers(model)):
         home = next(layer.parameters()).device
         run_on = torch.device(device) if device is not None else home
@@ -321,7 +413,8 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
                 by_input.setdefault(id(hessians[name]), {})[name] = module
             for group in by_input.values():
                 h = hessians[next(iter(group))]
-                report.update({f"layers.{index}.{n}": r for n, r in _quantize_modules(group, h, damp, act_order).items()})
+                report.update({f"layers.{index}.{n}": r for n, r in
+                               _quantize_modules(group, h, damp, act_order, block_graphs).items()})
             del hessians, h
             clock.lap("solve")
             errs = [report[f"layers.{index}.{n}"] for n in modules]

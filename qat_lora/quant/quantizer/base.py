@@ -138,6 +138,15 @@ class ColumnGrid:
         """The parameters GPTQ chose (written into the layer), by name; empty when they stayed fixed."""
         return {}
 
+    def for_block(self, groups: int) -> "ColumnGrid":
+        """A fresh grid of the same kind over `groups` groups, filled by one block of columns (refitting grids:
+        GPTQ replays one block's column loop as a CUDA graph on block-local parameters)."""
+        raise NotImplementedError(f"{type(self).__name__} fits no groups per block")
+
+    def block_key(self) -> tuple:
+        """Equal for grids whose block loops are the same ops (one CUDA graph serves them all)."""
+        raise NotImplementedError(f"{type(self).__name__} fits no groups per block")
+
 
 # --- group-scaled grids (int, offset, LUT) ---------------------------------------------------------------------
 

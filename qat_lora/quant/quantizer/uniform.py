@@ -223,3 +223,9 @@ class _RefitColumns(ColumnGrid):
 
     def parameters(self) -> Params:
         return {"scale": self.scale, "zero": self.zero}
+
+    def for_block(self, groups: int) -> "_RefitColumns":
+        return _RefitColumns(self.quantizer, self.scale.shape[0], groups, self.scale.device)
+
+    def block_key(self) -> tuple:
+        return type(self).__name__, repr(self.quantizer.cfg), self.quantizer.group_size
