@@ -208,6 +208,24 @@ def test_blocks_reproduce_final_hidden_states(arch):
     assert inputs.num_tokens() == 2 * 4 * 64
 
 
+def test_activations_stay_on_an_accelerator_only_with_room_for_them(monkeypatch):
+    """BlockInputs.kept_on moves the hidden states to a device whose free memory holds them twice (in and out) in
+    a quarter; without the room, or off CUDA (free_bytes None), they stay on the host. run_block writes its
+    outputs where its inputs are. ("meta" stands in for the GPU: only the placement is checked.)"""
+    from qat_lora.runtime import device as dev
+
+    model = _tiny("llama")
+    inputs = blocks.capture_block_inputs(model, _tokens(2, 2))
+    need = 2 * sum(h.numel() * h.element_size() for h in inputs.hidden)
+    assert inputs.kept_on(None) is inputs and inputs.kept_on("cpu") is inputs  # the CPU: no free figure
+    monkeypatch.setattr(dev, "free_bytes", lambda device: 4 * need)
+    assert all(h.device.type == "meta" for h in inputs.kept_on("meta").hidden)
+    monkeypatch.setattr(dev, "free_bytes", lambda device: 4 * need - 1)
+    assert inputs.kept_on("meta") is inputs
+    out = blocks.run_block(blocks.decoder_layers(model)[0], inputs)
+    assert all(o.device.type == "cpu" and o.dtype == torch.float32 for o in out)
+
+
 def _kl_to(teacher: nn.Module, student: nn.Module, batches: list[torch.Tensor]) -> float:
     with torch.no_grad():
         kl = [F.kl_div(F.log_softmax(student(input_ids=b).logits, -1), F.log_softmax(teacher(input_ids=b).logits, -1),

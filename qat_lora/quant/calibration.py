@@ -23,7 +23,8 @@ def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor], con
     """Mean squared input activation per column of every Linear `config` would quantise (data-aware init).
 
     The model runs one decoder layer at a time (quant/blocks.py), each on `device` (None: where it is) and back
-    where it was: only that layer and one batch of its activations are ever on the device. Linears outside the
+    where it was: only that layer and its calibration activations (when they fit: `BlockInputs.kept_on`, else one
+    batch at a time) are ever on the device. Linears outside the
     decoder layers (the lm_head, which presets leave in full precision) get no statistics.
 
     Args:
@@ -45,7 +46,7 @@ def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor], con
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
                if type(m) is nn.Linear and cfg.for_module(n) is not None]
     try:
-        inputs = blocks.capture_block_inputs(model, list(batches))
+        inputs = blocks.capture_block_inputs(model, list(batches)).kept_on(device)
         for layer in blocks.decoder_layers(model):
             home = next(layer.parameters()).device
             layer.to(device if device is not None else home)

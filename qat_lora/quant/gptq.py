@@ -385,7 +385,8 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
         calibration_batches: input_ids [B, L] each (training text, never the evaluation text).
         damp, act_order: see `gptq_quantize`.
         device: where each decoder layer runs while it is quantised (None: where it is). Only that layer and
-            one batch of its activations are on the device at a time; the layer goes back where it was after.
+            its calibration activations (when they fit, `BlockInputs.kept_on`; else one batch at a time) are on
+            the device; the layer goes back where it was after.
     Returns:
         {"layers": {module name: {"init_err", "gptq_err", "seconds"}}, "seconds": total, "phases": {capture,
         hessians, solve, forward: seconds}} where the errors are ‖ΔW Xᵀ‖ / ‖W Xᵀ‖ (see `relative_error`) of the
@@ -394,7 +395,7 @@ def gptq_(model: nn.Module, calibration_batches: list[torch.Tensor], *, damp: fl
     start, was_training = time.perf_counter(), model.training
     model.eval()  # no dropout in the statistics
     clock = dev.PhaseClock(device if device is not None else next(model.parameters()).device)
-    inputs = blocks.capture_block_inputs(model, calibration_batches)
+    inputs = blocks.capture_block_inputs(model, calibration_batches).kept_on(clock.device)
     clock.lap("capture")
     report: dict[str, dict] = {}
     block_graphs: dict = {}  # on CUDA: the column loop's graphs by block shape, shared by every layer

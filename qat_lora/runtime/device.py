@@ -139,6 +139,15 @@ def memory_stats(device: torch.device) -> dict:
     return {"memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device (the driver's figure plus what torch's allocator holds unused); None
+    elsewhere (XLA and the CPU: layer-by-layer passes keep their activations on the host there)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def move_model_(model: torch.nn.Module, device: torch.device,
                 on_module: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
     """model.to(device) module by module, keeping tied parameters tied; `on_module` sees each module once its own

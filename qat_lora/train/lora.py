@@ -201,7 +201,7 @@ def calibrated_lora_init_(model: nn.Module, reference: nn.Module, batches: list[
         raise ValueError("calibrated_lora_init_: no LoRA adapter over a quantised linear; call add_recovery_lora_ "
                          "first")
     clock = dev.PhaseClock(device if device is not None else next(model.parameters()).device)
-    inputs = blocks.capture_block_inputs(model, batches)
+    inputs = blocks.capture_block_inputs(model, batches).kept_on(clock.device)
     clock.lap("capture")
     removed: dict[str, float] = {}
     for index, (layer, ref_layer) in enumerate(zip(layers, ref_layers)):
