@@ -277,7 +277,7 @@ def test_zero_domain_config_errors(kwargs, match):
 
 @pytest.mark.parametrize("preset", GGML_PRESETS)
 def test_gptq_lands_on_the_llama_cpp_grid_and_beats_its_rtn(preset):
-    from qat_lora.quant.gptq import gptq_quantize
+    from qat_lora.quant.gptq_solve import gptq_quantize
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(16, 128, generator=g) * 0.05

@@ -1,4 +1,4 @@
-"""GPTQ init (qat_lora/quant/gptq.py) and decoder-block plumbing (qat_lora/quant/blocks.py).
+"""GPTQ init (qat_lora/quant/gptq.py, gptq_solve.py) and decoder-block plumbing (qat_lora/quant/blocks.py).
 
 GPTQ must (a) beat round-to-nearest on the layer output, (b) land exactly on a FakeQuantLinear grid, so that
 training continues from it, and (c) survive singular Hessians. Tiny models are built from a config.
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from qat_lora.quant import blocks
 
 from qat_lora.quant import inits as quant_init
-from qat_lora.quant.gptq import _group_now, gptq_, gptq_quantize
+from qat_lora.quant.gptq import gptq_
+from qat_lora.quant.gptq_solve import _group_now, gptq_quantize
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, quantize_
 from qat_lora.quant.quantizer import quantizer_for
 
@@ -330,7 +331,7 @@ def test_block_graphs_are_built_once_per_shape_replayed_and_dropped_when_a_captu
     block of each shape is solved eagerly and hands its graph that block as the reference; later blocks replay it,
     each block's parameters land in its own groups; a failed capture leaves the loop eager, with one warning, and
     every path gives the eager result bit for bit."""
-    import qat_lora.quant.gptq as gptq
+    import qat_lora.quant.gptq_solve as gptq
 
     built, replays = [], []
 

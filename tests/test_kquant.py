@@ -258,7 +258,7 @@ def test_presets_command_lists_the_kquants_with_their_bits_per_weight(capsys):
 
 @pytest.mark.parametrize("preset", KQUANTS)
 def test_gptq_chooses_codes_on_the_fixed_kquant_grid_and_beats_its_rounding(preset):
-    from qat_lora.quant.gptq import gptq_quantize
+    from qat_lora.quant.gptq_solve import gptq_quantize
 
     g = torch.Generator().manual_seed(8)
     w = torch.randn(16, 256, generator=g) * 0.05

@@ -87,7 +87,7 @@ def test_grid_names_and_export_capabilities():
 
 @pytest.mark.parametrize("name", ["lut3g64", "q4_k"])
 def test_gptq_on_a_fixed_grid_needs_the_layers_parameters(name):
-    from qat_lora.quant.gptq import gptq_quantize
+    from qat_lora.quant.gptq_solve import gptq_quantize
 
     with pytest.raises(ValueError, match="params=layer.quant_parameters"):
         gptq_quantize(torch.randn(8, 256), torch.eye(256), PRESETS[name], PRESETS[name].group_size)
@@ -118,7 +118,7 @@ def test_float_offsets_start_on_the_integer_grid_and_move_continuously():
 
 
 def test_gptq_on_float_offsets_lands_on_the_grid_as_well_as_on_integer_zeros():
-    from qat_lora.quant.gptq import gptq_quantize
+    from qat_lora.quant.gptq_solve import gptq_quantize
 
     g = torch.Generator().manual_seed(5)
     w = torch.randn(24, 256, generator=g) * 0.05

@@ -43,7 +43,8 @@ def test_layer_bar_counts_each_decoder_layer_once_and_not_the_capture(teacher_di
     with blocks.layer_progress(model, "gptq init") as above:
         gptq_(model, calibration_batches(str(cache_dir), 8, 4), log=above(lines.append))  # its lines above the bar
     err = capsys.readouterr().err
-    assert len(lines) == layers and lines[0].startswith("gptq layer 0:")
+    assert len(lines) == layers + 1 and lines[0].startswith("gptq layer 0:")
+    assert lines[-1].startswith("gptq phases: capture ")  # where the pass's time went
     assert "gptq init: 100%" in err and f"{layers}/{layers}" in err
     assert f"{layers - 1}/{layers}" in err.split(f"{layers}/{layers}")[0]  # the last layer started before the end
     with blocks.layer_progress(model, "quiet", disable=True):
