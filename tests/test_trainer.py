@@ -239,6 +239,17 @@ def test_resume_explains_a_config_mismatch(teacher_dir, cache_dir, tmp_path):
         train(_cfg(teacher_dir, cache_dir, run, max_steps=2, lr=1e-3, resume=str(run / "checkpoint-1")), **QUIET)
 
 
+def test_resume_compares_the_storage_dtype_as_it_resolves(teacher_dir, cache_dir, tmp_path):
+    """A run written with --storage-dtype fp32 (the default before auto) resumes under auto where auto resolves
+    to fp32 (here: the CPU's fp32 step), and is refused where it would train another dtype (bf16)."""
+    run = tmp_path / "run"
+    train(_cfg(teacher_dir, cache_dir, run, max_steps=2, save_steps=1, storage_dtype="fp32"), **QUIET)
+    with pytest.raises(ValueError, match=r"run was written with --storage-dtype 'fp32', this run has 'bf16'"):
+        train(_cfg(teacher_dir, cache_dir, run, max_steps=2, storage_dtype="bf16", resume="auto"), **QUIET)
+    summary = train(_cfg(teacher_dir, cache_dir, run, max_steps=2, storage_dtype="auto", resume="auto"), **QUIET)
+    assert summary["steps"] == 2  # the finished run, accepted as it is
+
+
 @pytest.mark.parametrize("preset", ["recovery-lora", "qat"])
 def test_gradient_checkpointing_changes_no_value(preset, teacher_dir, cache_dir, tmp_path):
     plain, recomputed = tmp_path / "plain", tmp_path / "recomputed"

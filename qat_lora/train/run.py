@@ -106,7 +106,14 @@ def check_out(cfg: TrainConfig) -> None:
                                           "--online-teacher": cfg.online_teacher})
 
 
-def _check_run_dir(cfg: TrainConfig, inputs: dict, log: Callable[[str], None]) -> Path | None:
+def _as_trained(config: dict, device: torch.device) -> dict:
+    """A run's config with --storage-dtype as it resolves on `device` (auto: bf16 or fp32): a run written with
+    fp32 (the default before auto) and one asking auto that resolves to fp32 train the same values."""
+    amp = precision.autocast_dtype(device, config["precision"])
+    return {**config, "storage_dtype": resolve_storage_dtype(config["storage_dtype"], config["preset"], amp)}
+
+
+def _check_run_dir(cfg: TrainConfig, inputs: dict, device: torch.device, log: Callable[[str], None]) -> Path | None:
     """The checkpoint to resume from, after refusing an --out whose run this one must not replace: run files
     that no run wrote, a run without --overwrite, (--resume auto) a run made with other settings, which would
     be wiped, or a checkpoint trained on other inputs.
@@ -126,7 +133,8 @@ def _check_run_dir(cfg: TrainConfig, inputs: dict, log: Callable[[str], None]) -
             raise ValueError(f"--out {out}: a run already exists there; pass --overwrite, --resume auto, or choose "
                              "another folder")
         saved = {**field_defaults(TrainConfig), **saved}
-        ckpt.check_resumable({k: saved[k] for k in asdict(cfg)}, asdict(cfg), out / runs.CONFIG_FILE)
+        ckpt.check_resumable(_as_trained({k: saved[k] for k in asdict(cfg)}, device), _as_trained(asdict(cfg), device),
+                             out / runs.CONFIG_FILE)
     return resume_from
 
 
@@ -170,7 +178,7 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
     """Student, trainable parameters, data and optimizer; every input is checked before the run folder is touched."""
     _check_cache(cfg, cache, backend)
     inputs = run_inputs(cfg)
-    resume_from = _check_run_dir(cfg, inputs, log)
+    resume_from = _check_run_dir(cfg, inputs, device, log)
     student, teacher = _load_models(cfg, device, backend, cache)
     if backend.is_master:
         runs.prepare_run_dir(cfg.out, overwrite=cfg.overwrite, resume_auto=cfg.resume == "auto",
@@ -218,7 +226,8 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
 def _restore(run: Run, path: Path) -> None:
     """Load parameters, optimizer, scheduler, this rank's RNG and the step from a checkpoint (DESIGN §6)."""
     tensors, state = ckpt.load_checkpoint(path, resume=True)
-    ckpt.check_resumable({**field_defaults(TrainConfig), **state["config"]}, asdict(run.cfg), path)
+    ckpt.check_resumable(_as_trained({**field_defaults(TrainConfig), **state["config"]}, run.device),
+                         _as_trained(asdict(run.cfg), run.device), path)
     chips = run.backend.world_size * run.backend.data_parallel
     if state["world_size"] != chips:
         raise ValueError(f"--resume: {path.name} was written on {state['world_size']} chips, this run has {chips}; "
@@ -241,7 +250,7 @@ def _restore(run: Run, path: Path) -> None:
     run.wall_s_before = state.get("wall_s", 0.0)
 
 
-def finished_run(cfg: TrainConfig, log: Callable[[str], None]) -> dict | None:
+def finished_run(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]) -> dict | None:
     """With --resume auto, the summary of a run in --out that already reached --max-steps with this config and
     these inputs (a preemption loop may rerun the command once more); None otherwise."""
     summary = runs.read_summary(cfg.out) if cfg.resume == "auto" else None
@@ -251,7 +260,8 @@ def finished_run(cfg: TrainConfig, log: Callable[[str], None]) -> dict | None:
     saved = runs.read_config(cfg.out) or {}
     ckpt.check_same_inputs(saved.get("inputs"), run_inputs(cfg), Path(cfg.out), saved)
     saved = {**field_defaults(TrainConfig), **saved}  # a field added since the run was saved: its default
-    ckpt.check_resumable({k: saved.get(k) for k in asdict(cfg)}, asdict(cfg), Path(cfg.out))
+    ckpt.check_resumable(_as_trained({k: saved.get(k) for k in asdict(cfg)}, device), _as_trained(asdict(cfg), device),
+                         Path(cfg.out))
     log(f"{cfg.out} already holds a finished run of {cfg.max_steps} steps; nothing to resume")
     return summary
 

@@ -77,7 +77,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, backend: Backend
         raise ValueError(f"--temperature {cfg.temperature}: --cache {cfg.cache} holds sampled targets, drawn at T = 1; "
                          "train at --temperature 1, or rebuild the cache with --encoding topk")
     check_out(cfg)
-    finished = finished_run(cfg, log)
+    finished = finished_run(cfg, device, log)
     if finished is not None:
         return finished
     # Set-up: device and collectives, then every input checked before the run folder is touched.
