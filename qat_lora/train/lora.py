@@ -100,11 +100,10 @@ def _lora_layers(layer: nn.Module) -> dict[str, nn.Module]:
             if isinstance(getattr(m, "base_layer", None), FakeQuantLinear) and getattr(m, "lora_A", None)}
 
 
-def whitening_factor(hessian: torch.Tensor, damp: float = 0.01, device: torch.device | str | None = None
-                     ) -> torch.Tensor:
-    """L with L Lᵀ = H + damp x mean diag(H) x I (float64 Cholesky, on `device` or H's): the damping keeps dead
-    input columns from blowing up the whitened error. Modules fed the same input (q/k/v) share one."""
-    h = hessian.double().to(device if device is not None else hessian.device)
+def whitening_factor(hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """L with L Lᵀ = H + damp x mean diag(H) x I (float64 Cholesky, where H is): the damping keeps dead input
+    columns from blowing up the whitened error. Modules fed the same input (q/k/v) share one."""
+    h = hessian.double()
     h = h + damp * h.diagonal().mean().clamp(min=1e-12) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     return torch.linalg.cholesky(h)
 
@@ -115,8 +114,9 @@ def _top_singular_pairs(m: torch.Tensor, r: int, method: str) -> tuple[torch.Ten
     exact: the eigendecomposition of m's smaller Gram matrix (S² and U or V), float64, 2-20x faster than a full
     SVD at a linear's shapes on the CPU. randomized (Halko et al.'s range finder): k = max(2r, r + 16) seeded
     Gaussian probes, 8 power iterations re-orthonormalised by QR, then the SVD of the k x in projection: a few
-    skinny GEMMs instead of a 2048² eigh, which on a GPU is latency-bound (~0.3 s each, 112 of them for a 1B
-    model). On flat spectra (quantisation noise) it keeps >= 99.5 % of the optimal energy (tests/test_lora.py).
+    skinny GEMMs instead of an eigh of the full Gram matrix (on one H200 the 1B's calibrated start took 34 s with
+    either, so the solve is not where that time goes: see its phases). On flat spectra (quantisation noise) it
+    keeps >= 99.5 % of the optimal energy (tests/test_lora.py).
     """
     tall = m.shape[0] > m.shape[1]
     wide_m = m.T if tall else m  # rows <= columns: every Gram and probe on the short side
