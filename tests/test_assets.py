@@ -416,7 +416,7 @@ def test_a_folder_fetched_before_the_news_text_gains_only_it(tmp_path, offline):
 
 
 def test_a_fetched_teacher_is_a_model_name_for_every_command(tmp_path, offline, monkeypatch, teacher_dir):
-    from qat_lora.data import models
+    from qat_lora.data import identities, models
     from qat_lora.train.config import StudentSpec
 
     monkeypatch.setenv("QAT_LORA_HOME", str(tmp_path / "home"))
@@ -430,7 +430,7 @@ def test_a_fetched_teacher_is_a_model_name_for_every_command(tmp_path, offline, 
         (got.teacher_dir / name).write_bytes(source.read_bytes() if source.exists() else b"{}")
     StudentSpec(model="smollm2-135m", quant="w4g32")  # accepted: --model, --teacher and the rest load through it
     assert models.read_model_config("smollm2-135m") == json.loads((teacher_dir / "config.json").read_text())
-    assert models.weights_signature("smollm2-135m") == models.weights_signature(teacher_dir) is not None
+    assert identities.weights_signature("smollm2-135m") == identities.weights_signature(teacher_dir) is not None
     ids = torch.tensor([[1, 5, 9, 3]])
     torch.testing.assert_close(models.load_causal_lm("smollm2-135m")(input_ids=ids).logits,
                                models.load_causal_lm(teacher_dir)(input_ids=ids).logits, rtol=0, atol=0)

@@ -110,3 +110,37 @@ def test_peft_adapter_beside_the_compressed_tensors_base_reproduces_the_student(
     with torch.no_grad():
         expected = student(input_ids=ids).logits
     torch.testing.assert_close(load_file(str(tmp_path / "out.safetensors"))["logits"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_reads_the_compressed_tensors_folder_as_the_student_it_came_from(teacher_dir, corpus_dir, tmp_path,
+                                                                              capsys):
+    # every command that takes --model loads the folder with its weights decompressed (models._dequantizing):
+    # plain loading keeps packed modules without a weight, which crashed eval before
+    out = tmp_path / "x"
+    assert main(["export", "--model", str(teacher_dir), "--quant", "w4g64", "--format", "compressed-tensors",
+                 "--out", str(out)]) == 0
+    results = {}
+    for name, flags in {"student": ["--model", str(teacher_dir), "--quant", "w4g64"],
+                        "file": ["--model", str(out / "compressed-tensors")]}.items():
+        assert main(["eval", *flags, "--text", str(corpus_dir / "a.txt"), "--seq-len", "32", "--max-tokens", "256",
+                     "--json-out", str(tmp_path / f"{name}.json")]) == 0
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert results["file"]["tokens"] == results["student"]["tokens"] > 0
+    assert results["file"]["nll"] == pytest.approx(results["student"]["nll"], rel=1e-5)
+    capsys.readouterr()
+
+
+def test_a_compressed_tensors_folder_without_the_package_is_one_line(teacher_dir, corpus_dir, tmp_path, monkeypatch,
+                                                                      capsys):
+    import importlib.util
+
+    out = tmp_path / "x"
+    assert main(["export", "--model", str(teacher_dir), "--quant", "w4g64", "--format", "compressed-tensors",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "compressed_tensors" else find_spec(name, *a))
+    assert main(["eval", "--model", str(out / "compressed-tensors"), "--text", str(corpus_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'qat-lora[ct]'" in err[0], err

@@ -30,7 +30,7 @@ from qat_lora.data import text as data
 from qat_lora.runtime import device as dev
 from qat_lora.runtime import precision, xla
 
-from qat_lora.data import models
+from qat_lora.data import identities, models
 from qat_lora.cache.reader import BUILD_KEY, MANIFEST, SCHEMA_VERSION
 from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.cache.folder import check_out, check_out_path, finished, prepare_out, rank_lock  # noqa: F401 (API)
@@ -213,7 +213,7 @@ def _build(cfg: CacheBuildConfig, files: list[Path], log: Callable[[str], None],
     corpus = data.corpus_fingerprint(files)
     progress = _load_progress(cfg, out, corpus)
     tokenizer, teacher = _load_teacher(cfg)
-    identity = models.model_fingerprint(teacher, cfg.teacher)  # of the weights as stored, whatever --dtype runs
+    identity = identities.model_fingerprint(teacher, cfg.teacher)  # of the weights as stored, whatever --dtype runs
     _check_teacher(cfg, progress, identity)
     packed = _tokenise(cfg, files, tokenizer)
     prepare_out(cfg)
@@ -342,7 +342,7 @@ def _collect(encoding, fetch: Callable[[], list[torch.Tensor]], batch_rows: np.n
 
 def _header(cfg: CacheBuildConfig, corpus: str, identity: dict, tokenizer, vocab: int, encoding) -> dict:
     return {"schema_version": SCHEMA_VERSION, "teacher": identity,
-            "tokenizer_sha256": models.tokenizer_hash(tokenizer), "vocab_size": vocab, "seq_len": cfg.seq_len,
+            "tokenizer_sha256": identities.tokenizer_hash(tokenizer), "vocab_size": vocab, "seq_len": cfg.seq_len,
             "encoding": encoding.params(), "teacher_dtype": cfg.dtype, "matmul_precision": cfg.matmul_precision,
             "corpus_sha256": corpus,
             "builder": {"version": __version__, "args": {k: v for k, v in asdict(cfg).items()

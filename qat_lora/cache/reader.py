@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qat_lora.data import models
+from qat_lora.data import identities
 from qat_lora.cache.encodings import make_encoding
 from qat_lora.runtime.files import first_line, sha256_file
 
@@ -142,7 +142,7 @@ class KDCache:
         if vocab_size != self.vocab_size:
             raise ValueError(f"--cache {self.path}: built for vocab size {self.vocab_size}, the student has "
                              f"{vocab_size}; rebuild the cache with this model's teacher")
-        if models.tokenizer_hash(tokenizer) != self.manifest["tokenizer_sha256"]:
+        if identities.tokenizer_hash(tokenizer) != self.manifest["tokenizer_sha256"]:
             raise ValueError(f"--cache {self.path}: built with a different tokenizer than the student's; "
                              "rebuild the cache with the student's tokenizer")
         if seq_len is not None and seq_len < self.seq_len:

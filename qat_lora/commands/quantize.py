@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from qat_lora.data import models
+from qat_lora.data import identities, models
 from qat_lora.runtime import device as dev
 from qat_lora.cache.reader import KDCache
 from qat_lora.quant.blocks import layer_progress
@@ -49,7 +49,7 @@ def init_is_current(cfg: QuantizeConfig) -> bool:
     report = read_record(Path(cfg.out) / REPORT_FILE) or {}
     inputs = report.get("inputs")
     return (Path(cfg.out) / QUANTIZER_FILE).exists() and _settings(report.get("config")) == _settings(asdict(cfg)) and \
-        report.get("complete", True) and (inputs is None or inputs == models.input_identities(cfg.model, cfg.cache))
+        report.get("complete", True) and (inputs is None or inputs == identities.input_identities(cfg.model, cfg.cache))
 
 
 # Where an init ran is not what it is: a rerun on another device reuses it (records from before --device lack it).
@@ -97,7 +97,7 @@ def _quantize(cfg: QuantizeConfig, out: Path, log: Callable[[str], None], progre
                                             models.max_positions(model))
     started = time.perf_counter()
     preset = get_preset(cfg.quant)
-    inputs = models.input_identities(cfg.model, cfg.cache)
+    inputs = identities.input_identities(cfg.model, cfg.cache)
     report: dict = {**owner_stamp(INIT_KIND), "config": asdict(cfg), "inputs": inputs, "complete": False}
     atomic_write_json(out / REPORT_FILE, report)  # the record first: an interrupted init stays provably ours
     report = {**report, "complete": True, "quant_config": quant_config_dict(preset)}

@@ -30,7 +30,7 @@ from typing import Callable
 from qat_lora.commands.budget import BUDGET_RANKS, choose_budget
 from qat_lora.commands.config import QuantizeConfig, RecoverConfig
 from qat_lora.train.config import StudentSpec, TrainConfig
-from qat_lora.data import models
+from qat_lora.data import identities, models
 from qat_lora.cache.reader import KDCache
 from qat_lora.runtime.files import (FolderLock, atomic_write_json, check_out_apart_from_inputs, owned_by, owner_stamp, read_record,
                     require_folder)
@@ -125,7 +125,7 @@ def _same_init(report: dict | None, init: QuantizeConfig) -> bool:
         return False
     current, skip = asdict(init), ("out", *_INPUT_PATHS, *PLACEMENT_FIELDS)
     return {k: v for k, v in config.items() if k not in skip} == {k: v for k, v in current.items() if k not in skip} \
-        and _same_inputs(config, report.get("inputs"), current, models.input_identities(init.model, init.cache))
+        and _same_inputs(config, report.get("inputs"), current, identities.input_identities(init.model, init.cache))
 
 
 def _finished_stage(train_cfg: TrainConfig) -> dict | None:
@@ -163,7 +163,7 @@ def _lora_start(cfg: RecoverConfig, quantizer: str, log: Callable[[str], None]) 
     if cfg.lora_init == "zero":
         return "zero"
     folder = Path(cfg.out) / LORA_START_DIR
-    settings = {"inputs": models.input_identities(cfg.model, cfg.cache, quantizer), "quant": cfg.quant,
+    settings = {"inputs": identities.input_identities(cfg.model, cfg.cache, quantizer), "quant": cfg.quant,
                 "lora_r": cfg.lora_r, "calib_sequences": cfg.calib_sequences, "batch_size": cfg.batch_size}
     record = read_record(folder / LORA_START_RECORD)
     if folder.exists() and not owned_by(folder / LORA_START_RECORD, LORA_START_KIND):

@@ -1,19 +1,20 @@
 """Loading teachers and students: a transformers directory, a GGUF file, or (when online) a hub name.
 
-Also the identities the cache manifest records: a tokenizer hash and a teacher fingerprint.
+What identifies them (hashes, signatures) is in identities.py.
 """
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from qat_lora.runtime import xla
-from qat_lora.runtime.files import first_line, register_named_folder, sha256_file
+from qat_lora.runtime.files import first_line, register_named_folder
 
 
 # The model families the toolkit is tested on (tests/test_families.py: cache, GPTQ and block-wise init, training,
@@ -83,7 +84,7 @@ def _fetched_folder(name: str) -> Path | None:
 register_named_folder(_fetched_folder)  # --out apart from --model smollm2-135m: its folder in the asset cache
 
 
-def _path(name_or_path: str | Path) -> Path:
+def local_path(name_or_path: str | Path) -> Path:
     """Where a model named by the user lies: the path itself, or a fetched teacher's folder for its name."""
     path = Path(name_or_path).expanduser()
     return path if path.exists() else fetched_teacher(str(name_or_path)) or path
@@ -96,7 +97,7 @@ def _location(name_or_path: str | Path) -> tuple[str, dict]:
         ValueError: a path that is not a model, or whose config.json is damaged (read_model_config).
     """
     name = str(name_or_path)
-    path = _path(name)
+    path = local_path(name)
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), {"gguf_file": path.name}
     if path.is_dir():
@@ -120,7 +121,7 @@ def read_model_config(name_or_path: str | Path) -> dict | None:
         ValueError: no config.json, or one that is not a JSON object with a model_type, naming the file.
     """
     name = str(name_or_path)
-    path = _path(name)
+    path = local_path(name)
     if not path.is_dir():
         return None
     file = path / "config.json"
@@ -139,8 +140,10 @@ def read_model_config(name_or_path: str | Path) -> dict | None:
 
 
 def check_model(name_or_path: str | Path) -> None:
-    """What a config checks before anything loads: the model exists and its config.json is sound."""
+    """What a config checks before anything loads: the model exists, its config.json is sound, and what loading it
+    needs is installed."""
     _location(name_or_path)
+    _dequantizing(name_or_path)
 
 
 def model_context(model: str) -> int | None:
@@ -153,7 +156,7 @@ def model_context(model: str) -> int | None:
 def _damaged_json(name_or_path: str | Path) -> tuple[Path, str] | None:
     """The first .json file of a model folder that does not parse (a cut-short copy) or cannot be read (a
     folder or a looping link by that name), and what is wrong with it; None if there is none."""
-    path = _path(name_or_path)
+    path = local_path(name_or_path)
     for file in sorted(path.glob("*.json")) if path.is_dir() else []:
         try:
             json.loads(file.read_text(encoding="utf-8"))
@@ -169,7 +172,7 @@ def load_tokenizer(name_or_path: str | Path):
     from transformers import AutoTokenizer
 
     location, kwargs = _location(name_or_path)
-    folder = _path(name_or_path)
+    folder = local_path(name_or_path)
     for file in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         if not file.is_file():  # a folder or a looping link by that name: transformers would skip it silently
             raise ValueError(f"model {name_or_path}: cannot load: {file} is not a readable file; {_RECOPY}")
@@ -198,14 +201,17 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     location, kwargs = _location(name_or_path)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    kwargs.update(_dequantizing(name_or_path))
     from safetensors import SafetensorError
 
     report = _HeldReport()
     loader_log = logging.getLogger("transformers.modeling_utils")
     loader_log.addFilter(report)
     try:  # mismatched shapes load (and are refused below) rather than raise after a table of every weight
-        model, info = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, output_loading_info=True,
-                                                           ignore_mismatched_sizes=True, **kwargs)
+        with warnings.catch_warnings():  # "the folder's quantization_config is used": ours only adds dequantize
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            model, info = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, output_loading_info=True,
+                                                               ignore_mismatched_sizes=True, **kwargs)
     except SafetensorError as e:  # a weights file cut short by a full disk or an interrupted copy
         raise ValueError(f"model {name_or_path}: a weights file is damaged or truncated ({first_line(e)}); copy or "
                          "download the model again") from None
@@ -220,6 +226,26 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     for record in report.held:  # nothing refused: transformers' report (tied weights, ...) as it would have been
         loader_log.handle(record)
     return model.eval()
+
+
+def _dequantizing(name_or_path: str | Path) -> dict:
+    """from_pretrained's extra kwargs for a compressed-tensors folder (ours or llm-compressor's): its weights
+    decompressed as they load, so every command sees plain Linear weights (transformers' default keeps the packed
+    ints and trips on packed zero points). Needs the compressed-tensors package; its absence is one line.
+
+    Raises:
+        ValueError: a compressed-tensors folder without the compressed-tensors package.
+    """
+    config = read_model_config(name_or_path) or {}
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "compressed-tensors":
+        return {}
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise ValueError(f"model {name_or_path}: a compressed-tensors folder needs the compressed-tensors package: "
+                         "pip install 'qat-lora[ct]'")
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
 def linear_shapes(name_or_path: str | Path) -> dict[str, tuple[int, int]]:
@@ -286,28 +312,6 @@ def vocab_size(model: nn.Module) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def tokenizer_hash(tokenizer) -> str:
-    """sha256 of the vocabulary and special tokens: equal hashes mean equal token ids for equal text."""
-    payload = {
-        "vocab": sorted(tokenizer.get_vocab().items()),
-        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-        "class": type(tokenizer).__name__.replace("Fast", ""),
-    }
-    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
-
-
-def model_fingerprint(model: nn.Module, name_or_path: str | Path) -> dict:
-    """Identity of a teacher: where it came from, and hashes of its config and weights."""
-    config = model.config.to_dict()
-    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
-    weights = hashlib.sha256()
-    for key, tensor in sorted(model.state_dict().items()):
-        weights.update(key.encode())
-        weights.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return {"name_or_path": str(name_or_path), "model_type": config.get("model_type"),
-            "config_sha256": config_hash, "weights_sha256": weights.hexdigest()}
-
-
 def decoder_and_head(model: nn.Module, apply_softcap: bool = False) -> tuple[nn.Module, nn.Module]:
     """(the decoder stack returning final normed hidden states, the output projection) of a causal LM,
     PEFT-wrapped or not, so the loss can run lm_head itself, chunk by chunk (`apply_softcap`: the caller applies
@@ -328,62 +332,3 @@ def head_weight_and_bias(head: nn.Module) -> tuple["torch.Tensor", "torch.Tensor
     """The effective output-projection weight (fake-quantised if the head was quantised) and bias."""
     weight = head.quantized_weight() if hasattr(head, "quantized_weight") else head.weight
     return weight, head.bias
-
-
-_SIGNATURE_ROWS = 8  # rows read per tensor: spread over it, so a fine-tune that touches any layer changes them
-
-
-def weights_signature(name_or_path: str | Path) -> str | None:
-    """A cheap identity of a model's weights as stored on disk, read without loading the model: sha256 over
-    every safetensors tensor's name, dtype, shape and 8 rows spread over it (a .gguf file: its size and 64
-    spread 16 KiB chunks). Two models of the same shapes differ in it; the same weights re-saved by another
-    library version do not. None for hub names, pickle checkpoints (nothing to read safely) and damaged files
-    (the model loader names those).
-
-    Quantiser and adapter files record it for the model they were made from; a run records it to refuse a
-    resume on other weights.
-    """
-    from safetensors import SafetensorError
-
-    try:
-        return _weights_signature(_path(name_or_path))
-    except (SafetensorError, OSError):
-        return None
-
-
-def _weights_signature(path: Path) -> str | None:
-    from safetensors import safe_open
-
-    digest = hashlib.sha256()
-    if path.is_file() and path.suffix == ".gguf":
-        size = path.stat().st_size
-        digest.update(str(size).encode())
-        with path.open("rb") as f:
-            for i in range(64):
-                f.seek(i * max(0, size - (1 << 14)) // 63)
-                digest.update(f.read(1 << 14))
-        return digest.hexdigest()
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        return None
-    opened = [safe_open(str(f), "pt") for f in files]
-    names = sorted((name, i) for i, f in enumerate(opened) for name in f.keys())
-    for name, i in names:
-        part = opened[i].get_slice(name)
-        shape, dtype = part.get_shape(), part.get_dtype()
-        digest.update(f"{name}:{dtype}:{shape}".encode())
-        rows = sorted({r * (shape[0] - 1) // (_SIGNATURE_ROWS - 1) for r in range(_SIGNATURE_ROWS)}) if shape else []
-        for tensor in [part[r:r + 1] for r in rows] if shape and shape[0] else [opened[i].get_tensor(name)]:
-            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def input_identities(model: str, cache: str = "", quantizer: str = "") -> dict[str, str | None]:
-    """What a run's or an init's values depend on beyond its flags, cheaply identified (no model load): the
-    model's weights (weights_signature), the cache's manifest (it holds every shard's sha256) and the starting
-    quantiser's bytes; None for what is not given or cannot be read. Runs and inits record them; a resume or a
-    reuse on changed inputs is refused."""
-    manifest = Path(cache) / "manifest.json" if cache else None
-    return {"model": weights_signature(model),
-            "cache": sha256_file(manifest) if manifest and manifest.is_file() else None,
-            "quantizer": sha256_file(quantizer) if quantizer and Path(quantizer).is_file() else None}

@@ -32,7 +32,7 @@ from qat_lora.data import text as data
 
 from qat_lora.runtime import device as dev, precision
 
-from qat_lora.data import models
+from qat_lora.data import identities, models
 from qat_lora.runtime.options import field_defaults
 from qat_lora.data.config import GenerateDataConfig
 from qat_lora.runtime.files import (FolderLock, atomic_write_json, atomic_write_text, check_out_apart_from_inputs,
@@ -247,7 +247,7 @@ def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Calla
     inputs = {"corpus_sha256": _corpus_fingerprint(cfg)}
     _check_same_inputs(saved, inputs, cfg, out)  # the text first: a changed corpus fails before the model loads
     model = models.load_causal_lm(cfg.model)
-    identity = models.model_fingerprint(model, cfg.model)  # of the weights as stored, as build-cache records it
+    identity = identities.model_fingerprint(model, cfg.model)  # of the weights as stored, as build-cache records it
     inputs["teacher"] = {k: identity[k] for k in ("weights_sha256", "config_sha256")}
     _check_same_inputs(saved, inputs, cfg, out)
     device = dev.resolve_device(cfg.device)

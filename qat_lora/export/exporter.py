@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from qat_lora.data import models
+from qat_lora.data import identities, models
 from qat_lora.runtime import device as dev, precision
 from qat_lora.train.config import StudentSpec, TrainConfig
 from qat_lora.export.config import ExportConfig
@@ -67,7 +67,9 @@ FOLDER_HELP = {
     MERGED_FP_DIR: "base + adapter merged in full precision: exact, a plain transformers folder, NOT smaller than "
                    "the original model; AutoModelForCausalLM.from_pretrained(dir)",
     CT_DIR: "the low-bit base as compressed-tensors pack-quantized ints: vLLM (vllm serve dir) and transformers "
-            "with the compressed-tensors package (AutoModelForCausalLM.from_pretrained(dir))",
+            "with the compressed-tensors package (AutoModelForCausalLM.from_pretrained(dir, quantization_config="
+            "CompressedTensorsConfig(dequantize=True)); symmetric presets load plainly too); qat-lora eval / generate "
+            "--model dir",
     RESNAP_DIR: "the re-snap training run (--resnap-steps): metrics and the re-snapped quantizer.safetensors",
     GGUF_DIR: "llama.cpp / Ollama: llama-cli -m gguf/model.gguf [--lora gguf/adapter.gguf: the unmerged adapter]; "
               "transformers: from_pretrained(dir, gguf_file='model.gguf')",
@@ -288,7 +290,7 @@ def _carry_adapter(cfg: ExportConfig, peft_model, out: Path, tokenizer, log: Cal
             info["merge_fp"] = recovery_verdict(measured, measure(full), "--merge-fp")
     if not cfg.merge_adapter:
         # PEFT's own names over the base's module names; recorded as made over --model's weights
-        save_adapter(peft_model, out / ADAPTER_DIR, models.weights_signature(cfg.model))
+        save_adapter(peft_model, out / ADAPTER_DIR, identities.weights_signature(cfg.model))
         if cfg.format == "gguf":
             info["gguf"] = save_gguf_lora(peft_model, out / GGUF_DIR)
         return peft_model.unload(), info
@@ -323,7 +325,7 @@ def _resnap(cfg: ExportConfig, merged: nn.Module, out: Path, tokenizer, log: Cal
     save_pretrained(plain, work / "model")
     save_pretrained(tokenizer, work / "model")
     save_quantizer_state(merged, work / "start-quantizer.safetensors",  # the base's scales and zeros
-                         model_signature=models.weights_signature(work / "model"))
+                         model_signature=identities.weights_signature(work / "model"))
     spec = StudentSpec(str(work / "model"), cfg.quant, str(work / "start-quantizer.safetensors"))
     log(f"re-snap: {cfg.resnap_preset}, {cfg.resnap_steps} steps on {cfg.cache}")
     # --device and --precision passed on: the re-snap runs where the report did, not where the trainer would pick

@@ -19,7 +19,7 @@ from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.runtime.files import first_line, save_safetensors
 
 CODES_KEY = "codes"  # a quantiser state's integer codes of a layer whose weights moved
-# The base model a quantiser or adapter was made from (models.weights_signature): in the quantiser's safetensors
+# The base model a quantiser or adapter was made from (identities.weights_signature): in the quantiser's safetensors
 # metadata, and in a small JSON beside the adapter's PEFT files (PEFT ignores it). Files without it load unchecked.
 MODEL_SIGNATURE_KEY = "qat_lora.model_signature"
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 from safetensors import SafetensorError, safe_open
 
-from qat_lora.data import models
+from qat_lora.data import identities, models
 from qat_lora.quant.state import MODEL_SIGNATURE_KEY
 from qat_lora.runtime.files import first_line, owned_by, read_record, sha256_file
 from qat_lora.runtime.runs import CONFIG_FILE, QUANTIZER_FILE, RUN_KIND, RUN_LEGACY_KEYS, recorded_quant
@@ -207,7 +207,7 @@ def check_made_from(model: str, artefacts: dict[str, str]) -> None:
         recorded = _recorded_signature(flag, path) if path else None
         if recorded is None:
             continue
-        current = current or models.weights_signature(model)
+        current = current or identities.weights_signature(model)
         if current is not None and current != recorded:
             raise ValueError(f"{flag} {path}: made from other weights than --model {model} (its model signature "
                              f"{recorded[:12]} differs from {current[:12]}); pass the --model it was made from")

@@ -17,7 +17,7 @@ from qat_lora.train import checkpoint as ckpt
 from qat_lora.runtime import device as dev
 from qat_lora.runtime import precision
 
-from qat_lora.data import models
+from qat_lora.data import identities, models
 
 from qat_lora.runtime import runs
 from qat_lora.cache.reader import KDCache, batches_per_epoch
@@ -92,10 +92,10 @@ def _load_models(cfg: TrainConfig, device: torch.device, backend: Backend,
 
 
 def run_inputs(cfg: TrainConfig) -> dict[str, str | None]:
-    """The run's inputs as models.input_identities sees them; a resume on changed ones is refused."""
-    inputs = models.input_identities(cfg.model, cfg.cache, cfg.quantizer)
+    """The run's inputs as identities.input_identities sees them; a resume on changed ones is refused."""
+    inputs = identities.input_identities(cfg.model, cfg.cache, cfg.quantizer)
     if cfg.online_teacher:  # the targets come from its weights: another teacher is another training
-        inputs["teacher"] = models.weights_signature(cfg.online_teacher)
+        inputs["teacher"] = identities.weights_signature(cfg.online_teacher)
     return inputs
 
 
@@ -141,7 +141,7 @@ def _check_run_dir(cfg: TrainConfig, inputs: dict, device: torch.device, log: Ca
 def _check_cache(cfg: TrainConfig, cache: KDCache, backend: Backend) -> None:
     """What the cache (and an --online-teacher's tokenizer) must hold for these flags, before any model loads:
     every rank checks, so all fail together."""
-    if cfg.online_teacher and models.tokenizer_hash(models.load_tokenizer(cfg.online_teacher)) != \
+    if cfg.online_teacher and identities.tokenizer_hash(models.load_tokenizer(cfg.online_teacher)) != \
             cache.manifest["tokenizer_sha256"]:  # the student's is compared with the cache's once it loads
         raise ValueError(f"--online-teacher {cfg.online_teacher}: its tokenizer differs from --model's (and the "
                          "cache's), so its logits index another vocabulary; pass a teacher with the same tokenizer")
