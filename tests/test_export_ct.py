@@ -121,7 +121,7 @@ def test_eval_reads_the_compressed_tensors_folder_as_the_student_it_came_from(te
                  "--out", str(out)]) == 0
     results = {}
     for name, flags in {"student": ["--model", str(teacher_dir), "--quant", "w4g64"],
-                        "file": ["--model", str(out / "compressed-tensors")]}.items():
+                        "file": ["--model", str(out / "compressed-tensors"), "--quant", "none"]}.items():
         assert main(["eval", *flags, "--text", str(corpus_dir / "a.txt"), "--seq-len", "32", "--max-tokens", "256",
                      "--json-out", str(tmp_path / f"{name}.json")]) == 0
         results[name] = json.loads((tmp_path / f"{name}.json").read_text())

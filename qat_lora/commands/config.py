@@ -27,7 +27,8 @@ EVAL_KIND = "eval"  # the stamp of an eval's --json-out: only such a file is rep
 @dataclass
 class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
     quant: str = field(default="", metadata={"help": "quantisation preset (default: the one the run of --adapter / "
-                                                     "--quantizer recorded; none: the model unquantised)"})
+                                                     "--quantizer recorded; with neither, or none: the model "
+                                                     "unquantised)"})
     adapter: str = field(default="", metadata={"help": "PEFT adapter folder (a run's adapter/) to attach"})
     text: list[str] = field(default_factory=list, metadata={"help": "held-out text files or folders for perplexity"})
     cache: str = field(default="", metadata={"help": "KD cache whose held-out split gives KD loss and top-1"})
@@ -43,6 +44,8 @@ class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
         paths_as_flags(self)
         if not self.text and not self.cache:
             raise ValueError("eval: pass --text (perplexity) and/or --cache (KD metrics)")
+        if self.quant == "none" and not (self.adapter or self.quantizer):  # the teacher, or an export's folder
+            self.quant = ""
         require_positive(self, "seq_len", "batch_size")
         require_non_negative(self, "max_tokens", note=" (0 = all)")
         self.check_device()
