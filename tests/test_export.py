@@ -230,3 +230,26 @@ def test_load_packed_still_reads_a_folder_with_a_plain_config(teacher_dir, tmp_p
     student.config.save_pretrained(tmp_path)  # as packed folders were written before the format had a model_type
     for name, layer in _layers(load_packed(tmp_path)).items():
         assert torch.equal(layer.quantized_weight(), student.get_submodule(name).quantized_weight()), name
+
+
+def test_eval_reads_a_packed_export_and_its_adapter_as_the_student(teacher_dir, corpus_dir, tmp_path, capsys):
+    from conftest import save_random_adapter
+
+    save_random_adapter(teacher_dir, "w3g32", tmp_path / "run-adapter", seed=1)
+    out = tmp_path / "e"
+    assert main(["export", "--model", str(teacher_dir), "--quant", "w3g32", "--adapter", str(tmp_path / "run-adapter"),
+                 "--format", "packed", "--out", str(out)]) == 0
+    text = ["--text", str(corpus_dir / "a.txt"), "--seq-len", "32", "--max-tokens", "256"]
+    results = {}
+    for name, flags in {"student": ["--model", str(teacher_dir), "--quant", "w3g32"],
+                        "packed": ["--model", str(out / "packed")]}.items():
+        assert main(["eval", *flags, "--adapter", str(tmp_path / "run-adapter"), *text,
+                     "--json-out", str(tmp_path / f"{name}.json")]) == 0
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert results["packed"]["nll"] == pytest.approx(results["student"]["nll"], rel=1e-6)
+    for key in ("bits_per_weight", "adapter_bits_per_weight", "tokens"):
+        assert results["packed"][key] == results["student"][key], key
+    capsys.readouterr()
+    assert main(["eval", "--model", str(out / "packed"), "--quant", "w3g32", *text]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "packed export" in err[0] and "drop --quant" in err[0], err

@@ -9,7 +9,7 @@ from dataclasses import Field, dataclass, field
 from types import SimpleNamespace
 
 from qat_lora.data.config import TextInput
-from qat_lora.data.models import model_context
+from qat_lora.data.models import is_packed_export, model_context
 from qat_lora.data.text import list_text_files
 from qat_lora.runtime.files import check_out_apart_from_inputs
 from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check_output_file, explicit_fields,
@@ -51,7 +51,7 @@ class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
         self.check_device()
         check_adapter(self.adapter)
         self.quant_from_run()
-        if self.adapter and not self.quant:
+        if self.adapter and not self.quant and not is_packed_export(self.model):
             raise ValueError("--adapter needs --quant: it belongs to a quantised student (pass the run's --quant)")
         self.text_decoding()
         self.check_precision()

@@ -9,6 +9,8 @@ import math
 from dataclasses import asdict
 from typing import Callable
 
+from torch import nn
+
 from qat_lora.runtime import device as dev
 from qat_lora.runtime import precision, xla
 
@@ -19,6 +21,7 @@ from qat_lora.runtime.files import atomic_write_json, owner_stamp
 from qat_lora.runtime.runs import RunDiverged
 from qat_lora.train.metrics import kd_metrics, perplexity
 from qat_lora.quant.state import bits_per_weight
+from qat_lora.train.config import StudentSpec
 from qat_lora.train.student import adapter_bits_per_weight, load_student, resolve_attn
 
 
@@ -31,10 +34,11 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> dict:
         xla.init_xla_cache(cfg.xla_cache_dir)  # no-op when this process compiled already (a notebook's 2nd call)
     amp_dtype = precision.autocast_dtype(device, cfg.precision)  # training's default autocast: the same loss values
     tokenizer = models.load_tokenizer(cfg.model)
-    model = dev.move_model_(load_student(cfg.student_spec(), cfg.adapter, resolve_attn("auto", device)), device)
+    model = dev.move_model_(load_model(cfg, resolve_attn("auto", device)), device)
     result: dict = {"model": cfg.model, "quant": cfg.quant or None, "adapter": cfg.adapter or None,
                     "quantizer": cfg.quantizer or None}
-    if cfg.quant:  # what the student weighs: the base's bits, and what an unmerged adapter adds to them
+    if cfg.quant or models.is_packed_export(cfg.model):  # what the student weighs: the base's bits, and what an
+        # unmerged adapter adds to them
         result.update(bits_per_weight=round(bits_per_weight(model), 4),
                       adapter_bits_per_weight=round(adapter_bits_per_weight(model), 4))
     if cfg.text:
@@ -50,6 +54,19 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print) -> dict:
     if bad:
         _report_non_finite(cfg, bad[0], result[bad[0]])
     return result
+
+
+def load_model(cfg: StudentSpec, attn: str = "sdpa") -> nn.Module:
+    """The model a command runs: the student built from model + preset + quantiser + adapter (`cfg.adapter`, if
+    the config has one), a packed export (+ adapter), or any folder / .gguf transformers loads (quant empty)."""
+    adapter = getattr(cfg, "adapter", "")
+    if models.is_packed_export(cfg.model):
+        from qat_lora.export.exporter import load_packed
+        from qat_lora.train.lora import load_recovery_lora
+
+        model = load_packed(cfg.model)
+        return load_recovery_lora(model, adapter) if adapter else model
+    return load_student(cfg.student_spec(), adapter, attn)
 
 
 def _report_non_finite(cfg: EvalConfig, metric: str, value: float) -> None:

@@ -22,27 +22,16 @@ from qat_lora.runtime import device as dev
 
 from qat_lora.data import models
 from qat_lora.commands.config import GenerateConfig
-from qat_lora.train.student import load_student
+from qat_lora.commands.evaluate import load_model
 
 
 def load_generator(cfg: GenerateConfig):
-    """(model, tokenizer) for `cfg`: the student built from model + preset + quantiser + adapter, a packed
-    export, or any folder / .gguf transformers loads (quant empty). The tokenizer loads first: a missing chat
-    template is reported before the model's minutes of loading, not after."""
-    from qat_lora.export.exporter import PACKED_MODEL_TYPE, load_packed
-
+    """(model, tokenizer) for `cfg` (evaluate.load_model). The tokenizer loads first: a missing chat template is
+    reported before the model's minutes of loading, not after."""
     tokenizer = models.load_tokenizer(cfg.model)
     if not cfg.raw:
         _require_chat_template(tokenizer)
-    config = models.read_model_config(cfg.model) or {}  # names a damaged config.json
-    if config.get("model_type") == PACKED_MODEL_TYPE:
-        from qat_lora.train.lora import load_recovery_lora
-
-        model = load_packed(cfg.model)
-        model = load_recovery_lora(model, cfg.adapter) if cfg.adapter else model
-    else:
-        model = load_student(cfg.student_spec(), cfg.adapter)
-    return model.eval(), tokenizer
+    return load_model(cfg).eval(), tokenizer
 
 
 def _require_chat_template(tokenizer) -> None:

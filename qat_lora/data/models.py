@@ -139,6 +139,16 @@ def read_model_config(name_or_path: str | Path) -> dict | None:
     return config
 
 
+PACKED_MODEL_TYPE = "qat-lora-packed"  # packed/config.json's model_type (export/exporter.py): no transformers type
+
+
+def is_packed_export(name_or_path: str | Path) -> bool:
+    """Whether a model folder is a packed export (a student holding its grid; export.exporter.load_packed loads it),
+    also one written before the format had its own model_type (its base model's config inside)."""
+    config = read_model_config(name_or_path) or {}
+    return config.get("model_type") == PACKED_MODEL_TYPE or "base_config" in config
+
+
 def check_model(name_or_path: str | Path) -> None:
     """What a config checks before anything loads: the model exists, its config.json is sound, and what loading it
     needs is installed."""
@@ -176,6 +186,11 @@ def load_tokenizer(name_or_path: str | Path):
     for file in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         if not file.is_file():  # a folder or a looping link by that name: transformers would skip it silently
             raise ValueError(f"model {name_or_path}: cannot load: {file} is not a readable file; {_RECOPY}")
+    if is_packed_export(name_or_path):  # its config.json names no transformers type: the base model's does
+        from transformers import CONFIG_MAPPING
+
+        base = read_model_config(name_or_path)["base_config"]
+        kwargs["config"] = CONFIG_MAPPING[base["model_type"]].from_dict(base)
     try:
         return AutoTokenizer.from_pretrained(location, **kwargs)
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file

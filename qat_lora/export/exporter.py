@@ -76,7 +76,7 @@ FOLDER_HELP = {
 }
 # packed/config.json carries a model_type transformers rejects, naming the format (issue 18, item 4): a plain
 # config there made AutoModelForCausalLM.from_pretrained(packed/) build a RANDOM model with only a warning.
-PACKED_MODEL_TYPE = "qat-lora-packed"
+PACKED_MODEL_TYPE = models.PACKED_MODEL_TYPE
 QUANT_TENSORS = QUANT_PARAMETERS
 
 

@@ -228,7 +228,7 @@ def resolve_adapter_base(flag: str, adapter: str, model: str, quant: str, quanti
         ValueError: another --model, --quant or --quantizer than the adapter's base, or its quantiser missing or
             changed, naming the flag, the file and the fix.
     """
-    if not quant and "base_config" in (models.read_model_config(model) or {}):
+    if not quant and models.is_packed_export(model):
         return quant, quantizer  # a packed export (its model's config inside): the export is the adapter's base
     base = adapter_base(adapter)
     if base is not None and quant and quant != base.quant:

@@ -71,6 +71,9 @@ class StudentSpec:
         if self.quantizer and not self.quant:
             raise ValueError("--quantizer needs --quant: it belongs to a quantised student (pass the run's --quant)")
         models.check_model(self.model)  # a missing folder or a damaged config.json, in milliseconds
+        if self.quant and models.is_packed_export(self.model):
+            raise ValueError(f"--model {self.model} is a packed export, which holds its grid and quantiser: drop "
+                             "--quant and --quantizer")
 
     def _check_quantizer_file(self) -> None:
         check_quantizer_file(self.quantizer)
