@@ -110,8 +110,8 @@ def test_budget_flag_checks(teacher_dir, tmp_path, capsys):
     for value in ("-1", "nan", "inf"):
         assert main(["recover", "--model", str(teacher_dir), "--budget-bits", value]) == 2
         assert capsys.readouterr().err.startswith(f"qat-lora recover: error: --budget-bits {float(value)}: must be")
-    # a budget with no room for an adapter runs weight-qat, so its flags are not refused as unused
-    assert main(["recover", "--model", str(teacher_dir), "--budget-bits", "2", "--qat-steps", "3", "--weight-lr",
+    # a budget with no room for an adapter runs qat, so its flags are not refused as unused
+    assert main(["recover", "--model", str(teacher_dir), "--budget-bits", "2", "--qat-steps", "3", "--qat-lr",
                  "1e-3", "--out", str(tmp_path / "r")]) == 2
     assert "below the smallest" in capsys.readouterr().err
 
@@ -125,9 +125,11 @@ def test_the_budget_resolves_into_the_flags_the_stages_run_with(teacher_dir, cac
     assert cfg.lr == lora_probe_rates(8)  # the default probe at the chosen rank, not at --lora-r's default
     assert record["preset"] == "w4g64" and record["lora_r"] == 8 and record["bits"] == 8.1
     cfg, record = _resolve_budget(RecoverConfig(**base, budget_bits=3.0, qat_steps=7), **QUIET)
-    assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_steps, record["lora_r"]) == ("w2g64", 0, "weight-qat", 7, None)
+    assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_steps, record["lora_r"]) == ("w2g64", 0, "qat", 7, None)
     cfg, _ = _resolve_budget(RecoverConfig(**base, budget_bits=100.0, lora_steps=0), **QUIET)  # no adapter asked
-    assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w8pc", 0, "weight-qat")
+    assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w8pc", 0, "qat")
+    cfg, _ = _resolve_budget(RecoverConfig(**base, budget_bits=3.0, qat="weight-qat"), **QUIET)  # as typed
+    assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w2g64", 0, "weight-qat")
     assert _resolve_budget(RecoverConfig(**base, quant="w3g64"), **QUIET)[1] is None  # no budget: as typed
 
 

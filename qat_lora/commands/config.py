@@ -176,7 +176,7 @@ class RecoverConfig(StudentSpec, DeviceInput):
         "help": "ship within this many bits per quantised weight, base + unmerged adapter, counted on --model: "
                 f"--quant is the one of {' '.join(BUDGET_PRESETS)} with the most bits that fit, --lora-r the "
                 f"largest of {' '.join(map(str, BUDGET_RANKS))} that fits beside it; when none fits, no adapter "
-                "and --qat weight-qat (0 = off: --quant and --lora-r as given)"})
+                "and --qat qat (0 = off: --quant and --lora-r as given)"})
     init: str = field(default="gptq", metadata={"help": "stage 1, data-aware init: gptq, act or none"})
     # 128: 512 and 1,024 sequences were no better on the held-out split, on the corpus or on teacher text, at 3-6x
     # the time (SmolLM2 w3g64; docs/RESULTS.md, "GPTQ calibration size").
@@ -258,8 +258,8 @@ class RecoverConfig(StudentSpec, DeviceInput):
         unused = {}
         if not self.blockwise_steps:
             unused.update(dict.fromkeys(("blockwise_lr", "blockwise_quant_lr"), "--blockwise-steps > 0"))
-        # A budget with no room for an adapter runs --qat weight-qat, so its flags may be used.
-        qat = "weight-qat" if self.qat == "none" and self.budget_bits else self.qat
+        # A budget with no room for an adapter runs --qat qat, so its flags may be used.
+        qat = "qat" if self.qat == "none" and self.budget_bits else self.qat
         if qat == "none":
             unused.update(dict.fromkeys(("qat_steps", "qat_lr", "weight_lr"), "--qat weight-qat or qat (stage 2)"))
         elif qat != "weight-qat":

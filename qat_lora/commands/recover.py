@@ -226,9 +226,9 @@ def _resolve_budget(cfg: RecoverConfig, log: Callable[[str], None]) -> tuple[Rec
     ranks = BUDGET_RANKS if cfg.lora_steps else ()  # --lora-steps 0 asks for no adapter: the budget picks the base
     choice = choose_budget(cfg.budget_bits, models.linear_shapes(cfg.model), ranks=ranks)
     log(choice.describe())
-    if choice.lora_r is None:  # no room for an adapter: train the weights on the grid, unless --qat says otherwise
+    if choice.lora_r is None:  # no room for an adapter: train the grid's scales and zeros, unless --qat says otherwise
         return replace(cfg, budget_bits=0.0, quant=choice.preset, lora_steps=0,
-                       qat="weight-qat" if cfg.qat == "none" else cfg.qat), choice.record()
+                       qat="qat" if cfg.qat == "none" else cfg.qat), choice.record()
     # cfg.lr is empty unless typed: the rates are then the default probe at the chosen rank (RecoverConfig)
     return replace(cfg, budget_bits=0.0, quant=choice.preset, lora_r=choice.lora_r), choice.record()
 
