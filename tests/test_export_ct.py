@@ -130,6 +130,15 @@ def test_eval_reads_the_compressed_tensors_folder_as_the_student_it_came_from(te
     capsys.readouterr()
 
 
+def test_eval_quant_none_with_a_runs_files_is_one_line(teacher_dir, corpus_dir, tmp_path, capsys):
+    # --quant none means unquantised; an adapter or quantizer file needs its student's preset, so say so
+    for flag in ("--adapter", "--quantizer"):
+        assert main(["eval", "--model", str(teacher_dir), "--quant", "none", flag, str(tmp_path / "run"),
+                     "--text", str(corpus_dir)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--quant none" in err[0] and "leave --quant out" in err[0], err
+
+
 def test_a_compressed_tensors_folder_without_the_package_is_one_line(teacher_dir, corpus_dir, tmp_path, monkeypatch,
                                                                       capsys):
     import importlib.util

@@ -1,7 +1,6 @@
-"""The configs of the commands that are recipes over the stages (flags 1:1): `eval`, `quantize` (the init
-stage), `recover` (init -> optional QAT -> LoRA), `generate` / `chat` and `demo` (with its budgets), with the
-rates recover probes and the demo uses. The stages' own configs: data/config.py, cache/config.py, train/config.py
-(StudentSpec, TrainConfig), export/config.py.
+"""The configs of the recipe commands (flags 1:1): `eval`, `quantize` (the init stage), `recover` (init -> optional
+QAT -> LoRA), `generate` / `chat` and `demo` (with its budgets, and the rates recover probes and the demo uses).
+The stages' own configs: data/config.py, cache/config.py, train/config.py (StudentSpec, TrainConfig), export/config.py.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from qat_lora.quant.fake_quant import get_preset
 from qat_lora.train.config import StudentSpec, check_adapter, check_lora_init
 
 EVAL_KIND = "eval"  # the stamp of an eval's --json-out: only such a file is replaced by the next eval
+DATA_INITS = ("none", "act", "gptq")
 
 
 @dataclass
@@ -44,7 +44,9 @@ class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
         paths_as_flags(self)
         if not self.text and not self.cache:
             raise ValueError("eval: pass --text (perplexity) and/or --cache (KD metrics)")
-        if self.quant == "none" and not (self.adapter or self.quantizer):  # the teacher, or an export's folder
+        if self.quant == "none":  # unquantised (the teacher, an export's folder); a run's files need its preset
+            if self.adapter or self.quantizer:
+                raise ValueError("--quant none: --adapter / --quantizer need their run's preset; leave --quant out")
             self.quant = ""
         require_positive(self, "seq_len", "batch_size")
         require_non_negative(self, "max_tokens", note=" (0 = all)")
@@ -75,9 +77,6 @@ class EvalConfig(TextInput, StudentSpec, DeviceInput, PrecisionInput):
         if self.device in ("cpu", "cuda"):
             unused["xla_cache_dir"] = f"an XLA device (--device xla, tpu or auto; not {self.device})"
         return unused
-
-
-DATA_INITS = ("none", "act", "gptq")
 
 
 def _own_init(config: StudentSpec, purpose: str, instead: str) -> None:
