@@ -27,6 +27,7 @@ PACKED_CASES = {
     "lut2g32": get_preset("lut2g32"),
     "mixed-lowrank": QuantConfig(bits=4, group_size=32, symmetric=True, scale_rank=2, overrides=(
         ("*.mlp.*", QuantConfig(bits=2, group_size=None, scheme="lut", codebook="group")),)),
+    "w4g64-qo3-v8": get_preset("w4g64-qo3-v8"),  # mixed bit widths by module name
 }
 
 

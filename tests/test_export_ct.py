@@ -79,7 +79,7 @@ def test_transformers_loads_the_folder_and_rebuilds_the_students_weights(quant, 
     torch.testing.assert_close(loaded["logits"], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("quant", ["w3g64", "lut2g32", "q4_1"])
+@pytest.mark.parametrize("quant", ["w3g64", "lut2g32", "q4_1", "w4g64-v8"])
 def test_unsupported_presets_get_one_line_naming_the_alternatives(quant, teacher_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match="--format gguf, packed or dense"):
         ExportConfig(model=str(teacher_dir), quant=quant, format="compressed-tensors")

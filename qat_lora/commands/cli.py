@@ -153,7 +153,8 @@ def _presets(args: argparse.Namespace) -> None:
     from qat_lora.quant.quantizer import quantizer_for
 
     for name, cfg in PRESETS.items():
-        print(f"{name:8s} {quantizer_for(cfg).describe()}, init {cfg.init}")
+        mixed = "".join(f"; {pattern}: {quantizer_for(o).describe()}" for pattern, o in cfg.overrides)
+        print(f"{name:8s} {quantizer_for(cfg).describe()}, init {cfg.init}{mixed}")
 
 
 def build_parser(script: tuple[str, str] | None = None, defaults: dict | None = None) -> argparse.ArgumentParser:

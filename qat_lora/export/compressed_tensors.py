@@ -36,6 +36,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 def unsupported_reason(cfg: QuantConfig) -> str | None:
     """Why a preset (or any of its per-module overrides) has no compressed-tensors layout, or None."""
+    if cfg.overrides:  # written as one config group per grid, but transformers 5 dequantizes the second group wrong
+        return "per-module grids (a mixed preset), which transformers does not read back exactly"
     reasons = (quantizer_for(c).compressed_tensors_reason() for c in (cfg, *(o for _, o in cfg.overrides)))
     return next((r for r in reasons if r), None)
 
