@@ -125,6 +125,18 @@ def test_latent_weights_and_quantisers_get_their_own_learning_rates(teacher_dir,
     assert scale_group["params"] and all(n.endswith(".scale") for n, p in params.items()
                                          if id(p) in {id(q) for q in scale_group["params"]})
     assert scale_group["lr"] == 5e-4 and zero_group["lr"] == pytest.approx(1e-4) and zero_group["weight_decay"] == 0.0
+    # a mixed preset: each other grid's scales at (2^4 - 1) / (2^b - 1) x 64 / group of the base's rate
+    cfg = _cfg(teacher_dir, cache_dir, tmp_path, preset="qat", lr=1e-3, quantizer_lr_ratio=0.5)
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w4g64-qo3-v8")), "qat")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    groups = build_optimizer(cfg, model, params).param_groups
+    by_param = {id(p): g["lr"] for g in groups for p in g["params"]}
+    for name, p in params.items():
+        v_group = model.get_submodule(name.rsplit(".", 1)[0]).group_size if ".v_proj." in name else 64
+        expected = 5e-4 * {".v_proj.": 15 / 255 * 64 / v_group, ".q_proj.": 15 / 7, ".o_proj.": 15 / 7}.get(
+            next((k for k in (".v_proj.", ".q_proj.", ".o_proj.") if k in name), ""), 1.0)
+        assert by_param[id(p)] == pytest.approx(expected), name
+    assert len(groups) == 3 and sum(len(g["params"]) for g in groups) == len(params)
     for flag in ("weight_lr_ratio", "quantizer_lr_ratio", "zero_lr_ratio"):
         with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
             _cfg(teacher_dir, cache_dir, tmp_path, **{flag: 0.0})

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
 from qat_lora.train.config import TrainConfig
-from qat_lora.quant.fake_quant import latent_weights, quantizer_parameters
+from qat_lora.quant.fake_quant import latent_weights, quantised_layers, quantizer_parameters
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -19,8 +20,8 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
                     ) -> torch.optim.Optimizer:
-    """AdamW in up to four groups: the adapter (--lr), the quantisers' scales and zeros (--lr x
-    --quantizer-lr-ratio: Adam moves each parameter by about its rate per step, and a scale here is ~0.1, so the
+    """AdamW in up to four groups (and one per other grid of a mixed preset: grid_rates): the adapter (--lr), the
+    quantisers' scales and zeros (--lr x --quantizer-lr-ratio: Adam moves each parameter by about its rate per step, and a scale here is ~0.1, so the
     adapter's rate would move a grid by 1-2 % per step; its zeros / offsets at --zero-lr-ratio of that) and trained
     latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
     decay would pull them towards zero, off the grid the quantiser was fitted to."""
@@ -31,15 +32,37 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, 
     zeros = {id(p) for p in quantizer_parameters(model, names=("zero",)) if p.requires_grad} \
         if cfg.zero_lr_ratio != 1.0 else set()
     quantizer_lr = cfg.lr * cfg.quantizer_lr_ratio
+    rates = grid_rates(model)
     groups = [{"params": [p for p in params.values() if id(p) not in weights | quantizer]},
-              {"params": [p for p in params.values() if id(p) in quantizer - zeros], "lr": quantizer_lr,
-               "weight_decay": 0.0},
+              {"params": [p for p in params.values() if id(p) in quantizer - zeros and id(p) not in rates],
+               "lr": quantizer_lr, "weight_decay": 0.0},
               {"params": [p for p in params.values() if id(p) in weights], "lr": cfg.lr * cfg.weight_lr_ratio,
                "weight_decay": 0.0},
               {"params": [p for p in params.values() if id(p) in zeros], "lr": quantizer_lr * cfg.zero_lr_ratio,
                "weight_decay": 0.0}]
+    for ratio in sorted(set(rates.values())):  # a mixed preset's other grids, each at its own rate
+        chosen = [p for p in params.values() if rates.get(id(p)) == ratio and id(p) not in zeros]
+        groups.append({"params": chosen, "lr": quantizer_lr * ratio, "weight_decay": 0.0})
     # CUDA: the fused kernel, one launch for every tensor instead of several per tensor (the same update, to
     # rounding). XLA traces the plain loop into the step's graph anyway; the CPU has no fused AdamW for fp32 here.
     on_cuda = bool(params) and all(p.device.type == "cuda" for p in params.values())
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay,
                              fused=True if on_cuda else None)
+
+
+def grid_rates(model: torch.nn.Module) -> dict[int, float]:
+    """{id(parameter): rate multiplier} for the quantiser parameters of layers whose grid differs from the model's
+    base grid (the one most weights have: a mixed preset's overrides). Adam moves a parameter by about its rate per
+    step whatever its size or reach: a scale is ~1 / (2^b - 1) of its group's range, and it moves all g weights of
+    its group at once. (2^base - 1) / (2^b - 1) x g_base / g keeps each grid's step on the layer's output near the
+    base's: at the base's rate the 8-bit per-channel v_proj of w4g64-v8 (x 0.0065 here) undid its gain within
+    three steps (held-out KL 0.071 -> 0.093, docs/RESULTS.md). A single-grid student gets none."""
+    layers = list(quantised_layers(model).values())
+    if not layers:
+        return {}
+    counts = Counter()
+    for layer in layers:
+        counts[(layer.cfg.bits, layer.group_size)] += layer.weight.numel()
+    bits, group = counts.most_common(1)[0][0]
+    return {id(p): (2 ** bits - 1) / (2 ** layer.cfg.bits - 1) * group / layer.group_size for layer in layers
+            if (layer.cfg.bits, layer.group_size) != (bits, group) for p in layer.quant_parameters().values()}
