@@ -225,8 +225,11 @@ def load_causal_lm(name_or_path: str | Path, *, dtype: torch.dtype = torch.float
     try:  # mismatched shapes load (and are refused below) rather than raise after a table of every weight
         with warnings.catch_warnings():  # "the folder's quantization_config is used": ours only adds dequantize
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-            model, info = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, output_loading_info=True,
-                                                               ignore_mismatched_sizes=True, **kwargs)
+            # use_kernels=False: transformers 5.25 swaps in Hub kernels by default (downloaded code; model.train()
+            # then raises on XLA devices)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                location, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True, use_kernels=False,
+                **kwargs)
     except SafetensorError as e:  # a weights file cut short by a full disk or an interrupted copy
         raise ValueError(f"model {name_or_path}: a weights file is damaged or truncated ({first_line(e)}); copy or "
                          "download the model again") from None

@@ -157,7 +157,7 @@ def _load_gguf(gguf: Path):
     if hasattr(transformers, "GgufConfig"):
         # transformers 5 attaches a (non-serialisable) GGUF quantizer; ask for dense weights.
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, use_kernels=False, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
