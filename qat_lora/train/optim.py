@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import torch
 
@@ -21,10 +20,10 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
                     ) -> torch.optim.Optimizer:
     """AdamW in up to four groups (and one per other grid of a mixed preset: grid_rates): the adapter (--lr), the
-    quantisers' scales and zeros (--lr x --quantizer-lr-ratio: Adam moves each parameter by about its rate per step, and a scale here is ~0.1, so the
-    adapter's rate would move a grid by 1-2 % per step; its zeros / offsets at --zero-lr-ratio of that) and trained
-    latent weights (weight-qat; --lr x --weight-lr-ratio). Neither quantiser nor weights decay:
-    decay would pull them towards zero, off the grid the quantiser was fitted to."""
+    quantisers' scales and zeros (--lr x --quantizer-lr-ratio: Adam moves each parameter by about its rate per
+    step, and a scale here is ~0.1, so the adapter's rate would move a grid by 1-2 % per step; its zeros / offsets
+    at --zero-lr-ratio of that) and trained latent weights (weight-qat; --lr x --weight-lr-ratio). Neither
+    quantiser nor weights decay: decay would pull them towards zero, off the grid the quantiser was fitted to."""
     weights = {id(p) for p in latent_weights(model) if p.requires_grad}
     quantizer = {id(p) for p in quantizer_parameters(model) if p.requires_grad}
     # --zero-lr-ratio other than 1: the zeros / offsets in a group of their own (at 1 the group stays one, so the
@@ -51,18 +50,15 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, 
 
 
 def grid_rates(model: torch.nn.Module) -> dict[int, float]:
-    """{id(parameter): rate multiplier} for the quantiser parameters of layers whose grid differs from the model's
-    base grid (the one most weights have: a mixed preset's overrides). Adam moves a parameter by about its rate per
-    step whatever its size or reach: a scale is ~1 / (2^b - 1) of its group's range, and it moves all g weights of
-    its group at once. (2^base - 1) / (2^b - 1) x g_base / g keeps each grid's step on the layer's output near the
-    base's: at the base's rate the 8-bit per-channel v_proj of w4g64-v8 (x 0.0065 here) undid its gain within
-    three steps (held-out KL 0.071 -> 0.093, docs/RESULTS.md). A single-grid student gets none."""
+    """{id(parameter): rate multiplier} for the quantiser parameters of the layers a mixed preset's overrides
+    quantise (every other student, per-channel and K-quant fallbacks included, gets none). Adam moves a parameter
+    by about its rate per step whatever its size or reach: a scale is ~1 / (2^b - 1) of its group's range and moves
+    all g weights of its group. (2^base - 1) / (2^b - 1) x g_base / g keeps each grid's step near the base's; at
+    one rate for every scale w4g64-v8 diverged by step 16 (docs/RESULTS.md, "Where 4 bits lose")."""
     layers = list(quantised_layers(model).values())
-    if not layers:
+    base = next((layer.cfg for layer in layers if layer.cfg.overrides), None)  # the preset's own layers keep it
+    if base is None:
         return {}
-    counts = Counter()
-    for layer in layers:
-        counts[(layer.cfg.bits, layer.group_size)] += layer.weight.numel()
-    bits, group = counts.most_common(1)[0][0]
-    return {id(p): (2 ** bits - 1) / (2 ** layer.cfg.bits - 1) * group / layer.group_size for layer in layers
-            if (layer.cfg.bits, layer.group_size) != (bits, group) for p in layer.quant_parameters().values()}
+    return {id(p): (2 ** base.bits - 1) / (2 ** layer.cfg.bits - 1)
+            * (base.group_size or layer.in_features) / layer.group_size
+            for layer in layers if not layer.cfg.overrides for p in layer.quant_parameters().values()}
