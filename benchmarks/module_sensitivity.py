@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import platform
 import sys
 import time
@@ -71,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in chosen:
             del layers[name].forward  # back to the class's forward
         print(f"{pattern:14s} {len(chosen):3d} layers  ppl {rows[-1]['ppl']:.3f}  (quantised: {rows[0]['ppl']:.3f})")
-    atomic_write_json(Path(args.json), {"command": "python benchmarks/module_sensitivity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = "python benchmarks/module_sensitivity.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    atomic_write_json(Path(args.json), {"command": command,
                                         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
                                         "date": date.today().isoformat(), "model": args.model, "quant": args.quant,
                                         "quantizer": args.quantizer, "text": text, "seq_len": args.seq_len,
