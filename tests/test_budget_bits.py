@@ -24,8 +24,9 @@ WEIGHTS = sum(m * n for m, n in SHAPES)
 
 
 def _base(bits: int, group: int | None) -> float:
-    """An asymmetric int preset: `bits` per code, an fp16 scale and zero per group (per channel: a row's width)."""
-    return sum(bits * m * n + 32 * m * n // (n if group is None else group) for m, n in SHAPES) / WEIGHTS
+    """An asymmetric int preset: `bits` per code, an fp16 scale and a `bits`-wide zero per group (per channel: a
+    row's width)."""
+    return sum(bits * m * n + (16 + bits) * m * n // (n if group is None else group) for m, n in SHAPES) / WEIGHTS
 
 
 def _adapter(r: int) -> float:
@@ -55,9 +56,9 @@ def test_base_bits_from_the_shapes_are_those_of_the_built_student(preset, teache
 
 
 @pytest.mark.parametrize("budget, preset, rank", [
-    (2.5, "w2g64", None),  # exactly the smallest base, nothing left
+    (2.28125, "w2g64", None),  # exactly the smallest base, nothing left
     (3.0, "w2g64", None),
-    (8.1, "w4g64", 8),  # w8pc (8.44) does not fit; 3.6 bits left hold r8 (3.56)
+    (8.1, "w4g64", 8),  # w8pc (8.33) does not fit; 3.8 bits left hold r8 (3.56)
     (8.5, "w8pc", None),  # the most code bits win over an adapter
     (15.6, "w8pc", 16),
     (100.0, "w8pc", 32),  # r64 is wider than the 32-row k_proj / v_proj: never chosen on this model
@@ -74,21 +75,21 @@ def test_the_chooser_takes_the_widest_base_then_the_largest_rank_that_fit(budget
 
 def test_a_total_exactly_at_the_budget_fits():
     shapes = {"model.layers.0.mlp.up_proj": (1024, 1024)}  # r64: 16 * 64 * 2048 / 1024**2 = 2 bits exactly
-    choice = choose_budget(6.5, shapes)
-    assert (choice.preset, choice.lora_r, choice.total_bits) == ("w4g64", 64, 6.5)
-    assert choose_budget(6.49, shapes).lora_r == 32
+    choice = choose_budget(6.3125, shapes)  # w4g64: 4 + (16 + 4) / 64
+    assert (choice.preset, choice.lora_r, choice.total_bits) == ("w4g64", 64, 6.3125)
+    assert choose_budget(6.31, shapes).lora_r == 32
 
 
 def test_a_budget_below_every_base_is_one_line_naming_the_smallest(teacher_dir, cache_dir, tmp_path, capsys):
-    with pytest.raises(ValueError, match=r"--budget-bits 2.4: below the smallest this model ships at, w2g64's "
-                                         r"2.5000 bits per weight; pass --budget-bits 2.5 or more"):
-        choose_budget(2.4, models.linear_shapes(teacher_dir))
+    with pytest.raises(ValueError, match=r"--budget-bits 2.2: below the smallest this model ships at, w2g64's "
+                                         r"2.2812 bits per weight; pass --budget-bits 2.2813 or more"):
+        choose_budget(2.2, models.linear_shapes(teacher_dir))
     out = tmp_path / "run"
     assert main(["recover", "--model", str(teacher_dir), "--cache", str(cache_dir), "--out", str(out),
                  "--budget-bits", "2", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["qat-lora recover: error: --budget-bits 2: below the smallest this model ships at, w2g64's "
-                   "2.5000 bits per weight; pass --budget-bits 2.5 or more"]
+                   "2.2812 bits per weight; pass --budget-bits 2.2813 or more"]
     assert not out.exists()  # refused before --out is made
 
 
@@ -143,7 +144,7 @@ def test_recover_with_a_budget_ships_within_it(teacher_dir, cache_dir, tmp_path,
             "--budget-bits", "8.1", "--calib-sequences", "16", "--lora-steps", "2", "--lr", "1e-3",
             "--lora-init", "zero", "--save-steps", "0", "--device", "cpu"]
     assert main(argv) == 0
-    assert "budget 8.1 bits per weight: w4g64 4.5000 + LoRA r8 3.5556 = 8.0556" in capsys.readouterr().out
+    assert "budget 8.1 bits per weight: w4g64 4.3125 + LoRA r8 3.5556 = 7.8681" in capsys.readouterr().out
     summary = json.loads((out / "recover.json").read_text())
     budget = summary["budget"]
     assert {k: budget[k] for k in ("bits", "preset", "lora_r")} == {"bits": 8.1, "preset": "w4g64", "lora_r": 8}

@@ -76,7 +76,7 @@ def test_thirty_steps_lower_heldout_kd_loss(cache_dir, teacher_dir, tmp_path):
     after = evaluate(EvalConfig(model=str(teacher_dir), quant="w2g32", adapter=summary["adapter"], cache=str(cache_dir),
                                 device="cpu"), log=lambda _: None)
     assert after["kd_kl"] < before["kd_kl"] - 0.01, (before, after)
-    assert before["bits_per_weight"] == after["bits_per_weight"] == pytest.approx(2 + 2 * 16 / 32)
+    assert before["bits_per_weight"] == after["bits_per_weight"] == pytest.approx(2 + (16 + 2) / 32)
     assert before["adapter_bits_per_weight"] == 0 < after["adapter_bits_per_weight"]  # rank 8 beside the base
     adapter = tmp_path / "run" / "adapter"
     assert (adapter / "adapter_model.safetensors").exists()

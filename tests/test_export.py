@@ -15,11 +15,12 @@ from qat_lora.commands.cli import main
 from qat_lora.train.config import StudentSpec
 from qat_lora.export.config import ExportConfig
 from qat_lora.train.metrics import kd_metrics
-from qat_lora.export.exporter import load_packed, pack_codes, read_packed_header, save_packed, unpack_codes
+from qat_lora.export.exporter import load_packed, read_packed_header, save_packed
+from qat_lora.export.tensors import pack_codes, unpack_codes
 from qat_lora.train.lora import add_recovery_lora_, load_recovery_lora
 from qat_lora.data.models import load_causal_lm
 from qat_lora.quant.fake_quant import FakeQuantLinear, QuantConfig, get_preset, quantize_, quantizer_parameters
-from qat_lora.quant.state import bits_per_weight
+from qat_lora.quant.state import bits_per_weight, layer_bits
 from qat_lora.train.student import adapter_bits_per_weight, build_student, make_trainable_, save_artifacts
 
 PACKED_CASES = {
@@ -56,6 +57,9 @@ def test_packed_export_reloads_bit_exact(case, teacher_dir, tokenizer, tmp_path)
     for name, layer in _layers(student).items():
         assert tensors[f"{name}.qweight"].dtype == torch.uint8
         assert tensors[f"{name}.scale"].dtype == torch.float16
+        # the file holds what storage_bits counts: an integer zero at the codes' width, fp16 the rest
+        held = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.rpartition(".")[0] == name)
+        assert 0 <= 8 * held - layer_bits(layer) < 8 * 6, name
     reloaded = load_packed(tmp_path)
     assert read_packed_header(tmp_path)["layers"] == header["layers"]
     for name, layer in _layers(student).items():
@@ -66,9 +70,39 @@ def test_packed_export_reloads_bit_exact(case, teacher_dir, tokenizer, tmp_path)
         assert torch.equal(reloaded(input_ids=_ids(student)).logits, student(input_ids=_ids(student)).logits)
 
 
+@pytest.mark.slow
+def test_packed_version_1_files_with_fp16_zeros_still_load(teacher_dir, tokenizer, tmp_path):
+    student = quantize_(load_causal_lm(teacher_dir), "w3g32")
+    save_packed(student, tmp_path, get_preset("w3g32"), tokenizer)
+    file = tmp_path / "model.safetensors"
+    tensors, header = load_file(str(file)), read_packed_header(tmp_path)
+    for name, layer in _layers(student).items():  # rewrite it as version 1 wrote it: every zero fp16
+        tensors[f"{name}.zero"] = layer.stored_quant_parameters()["zero"].to(torch.float16).contiguous()
+    save_file(tensors, str(file), metadata={"qat_lora": json.dumps({**header, "version": 1})})
+    reloaded = load_packed(tmp_path)
+    for name, layer in _layers(student).items():
+        assert torch.equal(reloaded.get_submodule(name).quantized_weight(), layer.quantized_weight()), name
+
+
+def test_integer_zero_stays_on_the_code_range():
+    """A trained zero that drifts past the grid is held at its end, so that it is always one stored code."""
+    layer = FakeQuantLinear(64, 4, False, get_preset("w2g32"), 32)
+    layer.init_quantizer_()
+    quantizer, weight = layer.quantizer, layer.weight.detach()
+    drifted = {"scale": layer.scale.detach(), "zero": layer.zero.detach().clone()}
+    drifted["zero"][0, 0], drifted["zero"][1, 1] = 7.3, -2.6  # the 2-bit grid's codes are 0..3
+    held = {"scale": drifted["scale"], "zero": drifted["zero"].clamp(0, 3).round()}
+    wq = quantizer.fake_quantize(weight, drifted)
+    assert torch.equal(wq, quantizer.fake_quantize(weight, held))
+    w, s = weight[0, :32], drifted["scale"][0, 0]
+    unheld = (torch.clamp(torch.round(w / s) + 7, 0, 3) - 7) * s  # what z = 7 would give: every value <= -4 s
+    assert not torch.allclose(wq[0, :32], unheld)
+    assert torch.equal(quantizer.stored_parameters(drifted)["zero"], held["zero"])
+
+
 def test_bits_per_weight_counts_scales_and_zeros(teacher_dir):
     w2g32 = quantize_(load_causal_lm(teacher_dir), "w2g32")
-    assert bits_per_weight(w2g32) == pytest.approx(2 + 2 * 16 / 32)  # codes + fp16 scale and zero per 32
+    assert bits_per_weight(w2g32) == pytest.approx(2 + (16 + 2) / 32)  # codes + fp16 scale + 2-bit zero per 32
     lut = quantize_(load_causal_lm(teacher_dir), "lut2g32")
     weights = sum(m.weight.numel() for m in _layers(lut).values())
     assert bits_per_weight(lut) == pytest.approx(2 + 16 / 32 + 16 * 4 * 14 / weights)  # + one 4-entry LUT per layer
@@ -77,7 +111,7 @@ def test_bits_per_weight_counts_scales_and_zeros(teacher_dir):
     peft = add_recovery_lora_(w2g32, r=4, alpha=8.0)
     per_layer = sum(4 * (m.in_features + m.out_features) for m in layers)  # A: r x n, B: m x r
     assert adapter_bits_per_weight(peft) == pytest.approx(16 * per_layer / sum(m.weight.numel() for m in layers))
-    assert bits_per_weight(peft) == pytest.approx(2 + 2 * 16 / 32)  # the base's own figure is unchanged
+    assert bits_per_weight(peft) == pytest.approx(2 + (16 + 2) / 32)  # the base's own figure is unchanged
 
 
 DENSE_CHECK = """

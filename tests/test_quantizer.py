@@ -62,12 +62,15 @@ def test_storage_bits_are_what_the_llama_cpp_type_stores(name):
     assert q.gguf_exact and q.storage_bits(24, 512) / (24 * 512) == stored
 
 
-def test_storage_bits_count_codes_and_fp16_tensors():
-    assert quantizer_for(PRESETS["w4g64"]).storage_bits(8, 128) == 8 * 128 * 4 + 16 * 2 * (8 * 2)  # scale + zero
+def test_storage_bits_count_codes_integer_zeros_and_fp16_tensors():
+    # an fp16 scale and a 4-bit zero (one code of the grid) per group; an fp16 offset; Q4_0 stores no zero
+    assert quantizer_for(PRESETS["w4g64"]).storage_bits(8, 128) == 8 * 128 * 4 + (16 + 4) * (8 * 2)
+    assert quantizer_for(PRESETS["w4g64f"]).storage_bits(8, 128) == 8 * 128 * 4 + (16 + 16) * (8 * 2)
+    assert quantizer_for(PRESETS["q4_0"], 32).storage_bits(8, 128) == 8 * 128 * 4 + 16 * (8 * 4)
     lut = quantizer_for(PRESETS["lut3g64"])
     assert lut.storage_bits(8, 128) == 8 * 128 * 3 + 16 * (8 * 2 + 8)  # scales + one 8-entry codebook
     low_rank = quantizer_for(QuantConfig(bits=3, group_size=64, scale_rank=2))
-    assert low_rank.storage_bits(8, 128) == 8 * 128 * 3 + 16 * (2 * 8 * 2 + 2 * 8 + 2 * 128)
+    assert low_rank.storage_bits(8, 128) == 8 * 128 * 3 + 16 * (8 * 2 + 2 * 8 + 2 * 128) + 3 * 8 * 2  # 3-bit zeros
 
 
 def test_grid_names_and_export_capabilities():

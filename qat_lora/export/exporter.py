@@ -4,8 +4,9 @@
     qat-lora export --model M --quant w3g64 --quantizer runs/qat/quantizer.safetensors --out exports/qat
 
 `packed/` holds `model.safetensors` with, per quantised linear, the integer codes packed to their bit width
-(`<name>.qweight`, uint8) and the fp16 `scale` / `zero` (rounded to the integer the forward uses) / `codebook` /
-`scale_a` / `scale_b`; every other tensor as in the model; a JSON header in the safetensors metadata (key
+(`<name>.qweight`, uint8), an integer zero point packed the same way at the codes' width (`<name>.zero`, the
+integer the forward uses minus qmin; none for a grid without one; format version 1 stored it fp16), and the fp16
+`scale` / float offset `zero` / `codebook` / `scale_a` / `scale_b`; every other tensor as in the model; a JSON header in the safetensors metadata (key
 `qat_lora`); the tokenizer; a `config.json` whose model_type `qat-lora-packed` transformers refuses with an error
 naming it (the model's own config sits inside, under `base_config`).
 `load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
@@ -24,7 +25,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -39,16 +39,16 @@ from qat_lora.runtime.files import (OWNER_KEY, FolderLock, atomic_write_json, ch
                     owned_by, owner_stamp, read_record, require_folder, save_pretrained, save_safetensors)
 from qat_lora.export.gguf.writer import GGUF_DIR, save_gguf, warn_if_lossy
 from qat_lora.export.gguf.lora import save_gguf_lora
-from qat_lora.export.tensors import full_precision_tensors
+from qat_lora.export.tensors import full_precision_tensors, pack_codes, unpack_codes
 from qat_lora.train.student import build_student, load_student, resolve_attn, save_adapter
 from qat_lora.train.trainer import train
 from qat_lora.quant.fake_quant import (QUANT_PARAMETERS, FakeQuantLinear, QuantConfig, get_preset, quant_config_dict,
                     quant_config_from_dict, quantised_layers)
-from qat_lora.quant.state import bits_per_weight, save_quantizer_state
+from qat_lora.quant.state import bits_per_weight, layer_bits, save_quantizer_state
 
 HEADER_KEY = "qat_lora"
 FORMAT_NAME = "qat-lora-packed"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: integer zero points packed at the codes' width
 WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
 PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR = "packed", "dense", "adapter", "merged-fp", "resnap"
@@ -80,26 +80,6 @@ PACKED_MODEL_TYPE = models.PACKED_MODEL_TYPE
 QUANT_TENSORS = QUANT_PARAMETERS
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes into a little-endian bit stream, `bits` bits per code.
-
-    Args:
-        codes: any shape, integers in [0, 2^bits).
-    Returns:
-        [ceil(numel * bits / 8)] uint8.
-    """
-    flat = codes.reshape(-1).to(torch.uint8).numpy()
-    bit_planes = np.unpackbits(flat[:, None], axis=1, bitorder="little")[:, :bits]  # [N, bits]
-    return torch.from_numpy(np.packbits(bit_planes.reshape(-1), bitorder="little"))
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: [numel] uint8 codes."""
-    bit_stream = np.unpackbits(packed.numpy(), bitorder="little")[: numel * bits].reshape(numel, bits)
-    weights = (1 << np.arange(bits, dtype=np.uint16))
-    return torch.from_numpy((bit_stream.astype(np.uint16) * weights).sum(1).astype(np.uint8))
-
-
 @torch.no_grad()
 def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, tokenizer=None) -> dict:
     """Write the packed artefact of a fake-quant student (no PEFT wrapper) to `out_dir`.
@@ -113,8 +93,14 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
     quantised = quantised_layers(model)
     for name, layer in quantised.items():
         tensors[f"{name}.qweight"] = pack_codes(layer.codes().cpu(), layer.cfg.bits)
+        integers = layer.quantizer.integer_parameters()
         for key, value in layer.stored_quant_parameters().items():  # what the forward uses, exact in fp16
-            tensors[f"{name}.{key}"] = value.cpu().to(torch.float16).contiguous()
+            if key in integers:  # an integer zero: packed at its width, as storage_bits counts it
+                low, bits = integers[key]
+                if bits:
+                    tensors[f"{name}.{key}"] = pack_codes((value.cpu() - low).to(torch.uint8), bits)
+            else:
+                tensors[f"{name}.{key}"] = value.cpu().to(torch.float16).contiguous()
         layers[name] = {"config": quant_config_dict(layer.cfg), "group_size": layer.group_size,
                         "out_features": layer.out_features, "in_features": layer.in_features}
     tensors.update(full_precision_tensors(model, quantised))
@@ -177,6 +163,12 @@ def load_packed(path: str | Path) -> nn.Module:
         layer = FakeQuantLinear(info["in_features"], info["out_features"], old.bias is not None, cfg,
                                 info["group_size"], dtype=old.weight.dtype)
         parts = {k: tensors.pop(f"{name}.{k}") for k in QUANT_TENSORS if f"{name}.{k}" in tensors}
+        if header["version"] >= 2:  # integer parameters packed at their width (version 1: every one fp16)
+            shapes = layer.quantizer.parameter_shapes(layer.out_features, layer.in_features)
+            for key, (low, bits) in layer.quantizer.integer_parameters().items():
+                numel = math.prod(shapes[key])
+                codes = unpack_codes(parts[key], bits, numel) if bits else torch.zeros(numel, dtype=torch.uint8)
+                parts[key] = (codes.float() + low).reshape(shapes[key])
         codes = unpack_codes(tensors.pop(f"{name}.qweight"), cfg.bits, layer.weight.numel())
         wq = layer.quantizer.dequantize(codes.reshape(layer.out_features, layer.in_features), parts)
         layer.weight = nn.Parameter(wq.to(layer.weight.dtype), requires_grad=False)
@@ -254,15 +246,15 @@ def _prepare_out(cfg: ExportConfig, entries: list[str]) -> Path:
 
 
 def byte_breakdown(model: nn.Module) -> dict[str, int]:
-    """Bytes of the low-bit student as the packed format stores them: quantised linears' codes, their fp16
-    quantiser tensors (scales, zeros, codebooks), the input embeddings, the head (0 when tied) and the rest."""
+    """Bytes of the low-bit student as the packed format stores them: quantised linears' codes, their quantiser
+    tensors (fp16 scales, offsets and codebooks, integer zeros at the codes' width), the input embeddings, the head (0 when tied) and the rest."""
     layers = quantised_layers(model)
     sizes = {id(t): t.numel() * t.element_size() for t in full_precision_tensors(model, layers).values()}
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     embeddings = emb.numel() * emb.element_size()
     head_bytes = 0 if head.data_ptr() == emb.data_ptr() else head.numel() * head.element_size()
     return {"quantised_linears": sum(math.ceil(m.weight.numel() * m.cfg.bits / 8) for m in layers.values()),
-            "scales": sum(2 * p.numel() for m in layers.values() for p in m.quant_parameters().values()),
+            "scales": sum(math.ceil((layer_bits(m) - m.weight.numel() * m.cfg.bits) / 8) for m in layers.values()),
             "embeddings": embeddings, "head": head_bytes, "other": sum(sizes.values()) - embeddings - head_bytes}
 
 

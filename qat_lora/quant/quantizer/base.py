@@ -87,10 +87,18 @@ class Quantizer:
         raise NotImplementedError
 
     # -- storage and exports -----------------------------------------------------------------------------------
+    def integer_parameters(self) -> dict[str, tuple[int, int]]:
+        """Parameters that only take small integers, by name: (lowest value, bits). The packed export stores each
+        as value - lowest in that many bits (0 bits: always the lowest value, not stored); the others are fp16."""
+        return {}
+
     def storage_bits(self, out_features: int, in_features: int) -> int:
-        """Bits a layer [out, in] takes as stored: codes at their width and every quantiser tensor at fp16."""
+        """Bits a layer [out, in] takes as stored: codes at their width, integer parameters at theirs, every
+        other quantiser tensor at fp16."""
+        widths = {k: bits for k, (_, bits) in self.integer_parameters().items()}
         shapes = self.parameter_shapes(out_features, in_features)
-        return out_features * in_features * self.cfg.bits + 16 * sum(math.prod(s) for s in shapes.values())
+        return out_features * in_features * self.cfg.bits + sum(widths.get(k, 16) * math.prod(s)
+                                                                 for k, s in shapes.items())
 
     @property
     def gguf_type(self) -> str | None:

@@ -29,9 +29,12 @@ class IntQuantizer(_GroupScaled):
         return {"scale": scale, "zero": zero}
 
     def _zero(self, zero: torch.Tensor) -> torch.Tensor:
-        """round(z) through an STE, or 0 (none): zero * 0 gives the parameter a gradient of exactly 0, so it stays
-        0 under AdamW too."""
-        return zero * 0.0 if self.cfg.zero_domain == "none" else quant_init.round_ste(zero)
+        """round(z) through an STE, kept on the code range [qmin, qmax] (so that it is stored as one code:
+        storage_bits), or 0 (none): zero * 0 gives the parameter a gradient of exactly 0, so it stays 0 under
+        AdamW too."""
+        if self.cfg.zero_domain == "none":
+            return zero * 0.0
+        return torch.clamp(quant_init.round_ste(zero), self.cfg.qmin, self.cfg.qmax)
 
     # An integer zero stays live in the codes' argument: shifting it shifts the codes, and Wq does not change.
     _zero_held = False
@@ -47,11 +50,11 @@ class IntQuantizer(_GroupScaled):
     def stored_parameters(self, params: Params) -> Params:
         out = super().stored_parameters(params)
         # the zero the grid uses: round(z) (fp16(z) can round the other way than z near k + 0.5), or 0 (none)
-        out["zero"] = torch.zeros_like(out["zero"]) if self.cfg.zero_domain == "none" else torch.round(out["zero"])
+        out["zero"] = self._zero(out["zero"])
         return out
 
     def snapped_parameters(self, params: Params) -> Params:
-        return {"scale": quant_init.snap_fp16(params["scale"].detach()), "zero": torch.round(params["zero"].detach())}
+        return {"scale": quant_init.snap_fp16(params["scale"].detach()), "zero": self._zero(params["zero"].detach())}
 
     def fake_quantize(self, weight: torch.Tensor, params: Params, hold_codes: bool = False) -> torch.Tensor:
         out_features, in_features = weight.shape
@@ -82,11 +85,10 @@ class IntQuantizer(_GroupScaled):
                     device: torch.device) -> ColumnGrid:
         return _RefitColumns(self, out_features, in_features // self.group_size, device)
 
-    def storage_bits(self, out_features: int, in_features: int) -> int:
-        bits = super().storage_bits(out_features, in_features)
-        if self.cfg.zero_domain == "none":  # Q8_0 / Q4_0 store no zero point: the parameter is always 0
-            bits -= 16 * out_features * (in_features // self.group_size)
-        return bits
+    def integer_parameters(self) -> dict[str, tuple[int, int]]:
+        """An integer zero is one code of the grid (the forward keeps it on [qmin, qmax]), stored at the codes'
+        width as compressed-tensors and GPTQ checkpoints store it; Q8_0 / Q4_0 store none (always 0)."""
+        return {"zero": (self.cfg.qmin, self.cfg.bits) if self.cfg.zero_domain == "int" else (0, 0)}
 
     def _fit_group(self, w: torch.Tensor, importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -120,7 +122,8 @@ class IntQuantizer(_GroupScaled):
             return None
         cfg, codes = self.cfg, self.codes(weight, params)
         # symmetric layers qualify only while every zero rounds to 0 (zero_domain none keeps it 0 by design)
-        if cfg.symmetric and (cfg.zero_domain == "none" or not torch.round(params["zero"]).any()):
+        z = self._zero(params["zero"].detach()).float()  # the zero the forward uses
+        if cfg.symmetric and (cfg.zero_domain == "none" or not z.any()):
             if cfg.bits == 8:
                 return {"type": "Q8_0", "q": codes.to(torch.int16) + cfg.qmin, "d": params["scale"].detach().float()}
             return {"type": "Q4_0", "q": codes.to(torch.int16), "d": params["scale"].detach().float()}
@@ -129,7 +132,6 @@ class IntQuantizer(_GroupScaled):
         # the same codes c = q - qmin: Wq = d * (q - z) = d * c - d * (z - qmin); only that offset m is rounded
         # to fp16 as Q4_1 stores it
         d = quant_init.snap_fp16(params["scale"].detach().float())
-        z = torch.round(params["zero"].detach()).float()
         return {"type": "Q4_1", "q": codes.to(torch.int16), "d": d, "m": -d * (z - cfg.qmin)}
 
     def compressed_tensors_reason(self) -> str | None:
@@ -151,7 +153,7 @@ class OffsetQuantizer(IntQuantizer):
     """Uniform grid with an fp16 offset m instead of an integer zero (llama.cpp's Q4_1 "min"): Wq = s * q + m,
     q >= 0. Init rtn / ggml: the group's min/max (llama.cpp's); mse / hqq: the integer grid's search, its zero
     stored as the offset s * (qmin - z). Training moves m continuously, where an integer zero moves by whole steps
-    (the same stored bits: both are fp16 per group)."""
+    (an fp16 offset per group: (16 - b) bits more than an integer zero, stored at the codes' width)."""
 
     reconstructable = False
 
@@ -174,6 +176,9 @@ class OffsetQuantizer(IntQuantizer):
     def _column_rounding(self, s: torch.Tensor, m: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         qmin, qmax = self.cfg.qmin, self.cfg.qmax  # a float offset: the forward's own formula
         return lambda w: self._values(torch.clamp(self._levels(w, s, m, torch.round), qmin, qmax), s, m)
+
+    def integer_parameters(self) -> dict[str, tuple[int, int]]:
+        return {}  # the offset is an fp16 value
 
     def stored_parameters(self, params: Params) -> Params:
         return Quantizer.stored_parameters(self, params)
