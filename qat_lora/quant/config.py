@@ -175,10 +175,11 @@ PRESETS: dict[str, QuantConfig] = {
     "w4g64": QuantConfig(bits=4, group_size=64),
     "w4pc": QuantConfig(bits=4, group_size=None),
     # The same grids with each group's zero an fp16 offset m (Wq = s * q + m, llama.cpp Q4_1's "min") instead of an
-    # integer: the same stored bits (both fp16 per group), and QAT (--preset qat / weight-qat) moves m continuously
-    # where an integer zero moves by whole grid steps. A data-aware init searches the integer zero, then stores it
-    # as m = s * (qmin - z) (inits.int_scale_zero); rtn is the group's min/max. Measured on SmolLM2 w3g64 at cpu-small:
-    # no gain (qat from one GPTQ start: 23.73 ppl against 22.18 with integer zeros; docs/RESULTS.md).
+    # integer: 16 bits per group where the integer zero takes the codes' width, and QAT (--preset qat / weight-qat)
+    # moves m continuously where an integer zero moves by whole grid steps. A data-aware init searches the integer
+    # zero, then stores it as m = s * (qmin - z) (inits.int_scale_zero); rtn is the group's min/max. Measured on
+    # SmolLM2 w3g64 at cpu-small: no gain (qat from one GPTQ start: 23.73 ppl against 22.18 with integer zeros;
+    # docs/RESULTS.md).
     "w2g64f": QuantConfig(bits=2, group_size=64, zero_domain="float", init="mse"),
     "w3g64f": QuantConfig(bits=3, group_size=64, zero_domain="float"),
     "w4g64f": QuantConfig(bits=4, group_size=64, zero_domain="float"),
@@ -192,6 +193,8 @@ PRESETS: dict[str, QuantConfig] = {
         ("*.v_proj", QuantConfig(bits=8, group_size=None)), ("*.q_proj", QuantConfig(bits=3, group_size=64)),
         ("*.o_proj", QuantConfig(bits=3, group_size=64)))),
     "w3g64-v8": QuantConfig(bits=3, group_size=64, overrides=(("*.v_proj", QuantConfig(bits=8, group_size=None)),)),
+    "w2g64-v8": QuantConfig(bits=2, group_size=64, init="mse", overrides=(
+        ("*.v_proj", QuantConfig(bits=8, group_size=None)),)),
     # llama.cpp's block types (ggml-quants.c): trained on exactly the grid the GGUF export stores, so that export is
     # bit-exact. Q8_0: w = d * q, q in [-128, 127]; Q4_0: w = d * (c - 8), c in [0, 15]; Q4_1: w = d * c + m; fp16 d, m.
     "q8_0": QuantConfig(bits=8, group_size=32, symmetric=True, zero_domain="none", init="ggml"),
