@@ -23,17 +23,21 @@ SHAPES = [shape for _ in range(2) for shape in LAYER.values()]
 WEIGHTS = sum(m * n for m, n in SHAPES)
 
 
-def _base(bits: int, group: int | None) -> float:
+def _base(bits: int, group: int | None, v8: bool = False) -> float:
     """An asymmetric int preset: `bits` per code, an fp16 scale and a `bits`-wide zero per group (per channel: a
-    row's width)."""
-    return sum(bits * m * n + (16 + bits) * m * n // (n if group is None else group) for m, n in SHAPES) / WEIGHTS
+    row's width); `v8`: v_proj (the second 32 x 64 layer of each block) at 8 bits per channel instead."""
+    def layer(index: int, m: int, n: int) -> int:
+        b, g = (8, n) if v8 and index % len(LAYER) == 2 else (bits, n if group is None else group)
+        return b * m * n + (16 + b) * m * n // g
+    return sum(layer(i, m, n) for i, (m, n) in enumerate(SHAPES)) / WEIGHTS
 
 
 def _adapter(r: int) -> float:
     return 16 * r * sum(m + n for m, n in SHAPES) / WEIGHTS
 
 
-BASES = {"w2g64": _base(2, 64), "w3g64": _base(3, 64), "w4g64": _base(4, 64), "w8pc": _base(8, None)}
+BASES = {"w2g64": _base(2, 64), "w3g64": _base(3, 64), "w4g64": _base(4, 64), "w8pc": _base(8, None),
+         "w2g64-v8": _base(2, 64, v8=True), "w3g64-v8": _base(3, 64, v8=True), "w4g64-v8": _base(4, 64, v8=True)}
 
 
 def test_the_tiny_teachers_shapes_come_from_its_config(teacher_dir):
@@ -57,8 +61,9 @@ def test_base_bits_from_the_shapes_are_those_of_the_built_student(preset, teache
 
 @pytest.mark.parametrize("budget, preset, rank", [
     (2.28125, "w2g64", None),  # exactly the smallest base, nothing left
-    (3.0, "w2g64", None),
-    (8.1, "w4g64", 8),  # w8pc (8.33) does not fit; 3.8 bits left hold r8 (3.56)
+    (2.5, "w2g64", None),  # w2g64-v8 (2.62) does not fit
+    (3.0, "w2g64-v8", None),  # the mix with more bits, and no room for an adapter
+    (8.1, "w4g64-v8", 8),  # w8pc (8.33) does not fit; 3.56 bits left hold r8 (3.56)
     (8.5, "w8pc", None),  # the most code bits win over an adapter
     (15.6, "w8pc", 16),
     (100.0, "w8pc", 32),  # r64 is wider than the 32-row k_proj / v_proj: never chosen on this model
@@ -122,15 +127,15 @@ def test_the_budget_resolves_into_the_flags_the_stages_run_with(teacher_dir, cac
 
     base = dict(model=str(teacher_dir), cache=str(cache_dir), out=str(tmp_path / "r"))
     cfg, record = _resolve_budget(RecoverConfig(**base, budget_bits=8.1), **QUIET)
-    assert (cfg.quant, cfg.lora_r, cfg.lora_steps, cfg.qat, cfg.budget_bits) == ("w4g64", 8, 200, "none", 0.0)
+    assert (cfg.quant, cfg.lora_r, cfg.lora_steps, cfg.qat, cfg.budget_bits) == ("w4g64-v8", 8, 200, "none", 0.0)
     assert cfg.lr == lora_probe_rates(8)  # the default probe at the chosen rank, not at --lora-r's default
-    assert record["preset"] == "w4g64" and record["lora_r"] == 8 and record["bits"] == 8.1
+    assert record["preset"] == "w4g64-v8" and record["lora_r"] == 8 and record["bits"] == 8.1
     cfg, record = _resolve_budget(RecoverConfig(**base, budget_bits=3.0, qat_steps=7), **QUIET)
-    assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_steps, record["lora_r"]) == ("w2g64", 0, "qat", 7, None)
+    assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_steps, record["lora_r"]) == ("w2g64-v8", 0, "qat", 7, None)
     cfg, _ = _resolve_budget(RecoverConfig(**base, budget_bits=100.0, lora_steps=0), **QUIET)  # no adapter asked
     assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w8pc", 0, "qat")
     cfg, _ = _resolve_budget(RecoverConfig(**base, budget_bits=3.0, qat="weight-qat"), **QUIET)  # as typed
-    assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w2g64", 0, "weight-qat")
+    assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w2g64-v8", 0, "weight-qat")
     assert _resolve_budget(RecoverConfig(**base, quant="w3g64"), **QUIET)[1] is None  # no budget: as typed
 
 
@@ -144,13 +149,13 @@ def test_recover_with_a_budget_ships_within_it(teacher_dir, cache_dir, tmp_path,
             "--budget-bits", "8.1", "--calib-sequences", "16", "--lora-steps", "2", "--lr", "1e-3",
             "--lora-init", "zero", "--save-steps", "0", "--device", "cpu"]
     assert main(argv) == 0
-    assert "budget 8.1 bits per weight: w4g64 4.3125 + LoRA r8 3.5556 = 7.8681" in capsys.readouterr().out
+    assert "budget 8.1 bits per weight: w4g64-v8 4.5382 + LoRA r8 3.5556 = 8.0938" in capsys.readouterr().out
     summary = json.loads((out / "recover.json").read_text())
     budget = summary["budget"]
-    assert {k: budget[k] for k in ("bits", "preset", "lora_r")} == {"bits": 8.1, "preset": "w4g64", "lora_r": 8}
-    assert summary["config"]["quant"] == "w4g64" and summary["config"]["lora_r"] == 8
+    assert {k: budget[k] for k in ("bits", "preset", "lora_r")} == {"bits": 8.1, "preset": "w4g64-v8", "lora_r": 8}
+    assert summary["config"]["quant"] == "w4g64-v8" and summary["config"]["lora_r"] == 8
     assert json.loads((out / "lora" / "config.json").read_text())["lora_r"] == 8
-    student = load_student(StudentSpec(str(teacher_dir), "w4g64", summary["quantizer"]), summary["adapter"])
+    student = load_student(StudentSpec(str(teacher_dir), "w4g64-v8", summary["quantizer"]), summary["adapter"])
     base, adapter = bits_per_weight(student), adapter_bits_per_weight(student)
     assert base == pytest.approx(budget["base_bits"], rel=1e-12)
     assert adapter == pytest.approx(budget["adapter_bits"], rel=1e-12) and adapter > 0

@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass
 from qat_lora.quant.config import get_preset
 from qat_lora.quant.quantizer import quantizer_for
 
-# The bases a budget chooses among, and the adapter ranks; each list is tried from the most bits down.
-BUDGET_PRESETS = ("w2g64", "w3g64", "w4g64", "w8pc")
+# The bases a budget chooses among, and the adapter ranks; each list is tried from the most bits down. Each width
+# with v_proj at 8 bits too (on SmolLM2-135M at cpu-medium the better row at each width, per bit shipped:
+# docs/RESULTS.md); on a model with no `v_proj` the mix is the plain preset, and the plain one, listed first, wins.
+BUDGET_PRESETS = ("w2g64", "w2g64-v8", "w3g64", "w3g64-v8", "w4g64", "w4g64-v8", "w8pc")
 BUDGET_RANKS = (64, 32, 16, 8)
 
 Shapes = dict[str, tuple[int, int]]  # {linear's module name: (out_features, in_features)}
@@ -68,12 +70,13 @@ class BudgetChoice:
 def choose_budget(budget_bits: float, shapes: Shapes, presets: tuple[str, ...] = BUDGET_PRESETS,
                   ranks: tuple[int, ...] = BUDGET_RANKS) -> BudgetChoice:
     """The base: the preset with the most bits per weight within the budget, as at equal bytes more code bits won
-    (SmolLM2-135M: w4g64 GPTQ, 15.56 ppl at 4.5 bits, beat every adapter row up to 6.44 bits; docs/RESULTS.md, the
+    (SmolLM2-135M: w4g64 GPTQ, 15.56 ppl at 4.31 bits, beat every adapter row up to 6.23 bits; docs/RESULTS.md, the
     frontier). Then the largest rank whose unmerged adapter fits in what is left, among ranks no larger than every
     quantised layer's smaller side (past it a rank adds bits, not capacity, and the calibrated start cannot fill
     it). No rank fits: no adapter, and recover trains the grid's scales and zeros instead (`qat`: from GPTQ at
-    4.5 bits 15.24 against 15.83 at cpu-medium; at cpu-small it beat weight-qat side by side at 3 and 4 bits,
-    22.18 against 22.32 and 15.36 against 16.34, with 3 % of the trainable parameters; docs/RESULTS.md).
+    4.31 bits 15.24 against 15.83 at cpu-medium, w4g64-v8 14.49 at 4.43; at cpu-small it beat weight-qat side by
+    side at 3 and 4 bits, 22.18 against 22.32 and 15.36 against 16.34, with 3 % of the trainable parameters;
+    docs/RESULTS.md).
 
     Raises:
         ValueError: a budget below every preset's base on this model, in one line naming the smallest.
