@@ -410,3 +410,26 @@ def test_a_training_text_changed_in_place_is_refused_not_reused(recovery, tiny_a
     with pytest.raises(SystemExit):
         recovery.main(args)
     assert json.loads((tmp_path / "results.json").read_text())["records"] == [first]  # nothing overwritten
+
+
+def test_recount_zero_bits_rewrites_each_fp16_zero_record_once(teacher_dir, tmp_path):
+    """benchmarks/recount_zero_bits.py: a record counted with fp16 integer zeros gets the codes' width (the old
+    figure kept); one counted so already, a float offset, and a second pass are left alone."""
+    from qat_lora.data import models
+
+    recount = load_benchmark("recount_zero_bits")
+    records = [{"key": "old", "preset": "w4g64", "bits_per_weight": 4.5},
+               {"key": "new", "preset": "w4g64", "bits_per_weight": 4.3125},
+               {"key": "offset", "preset": "w4g64f", "bits_per_weight": 4.5},
+               {"key": "old-g32", "preset": "w2g32", "bits_per_weight": 3.0},
+               {"key": "other", "preset": "w3g64", "bits_per_weight": 3.9}]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"host": {}, "records": records}))
+    shapes = models.linear_shapes(teacher_dir)
+    assert recount.recount(path, shapes) == 2
+    got = {r["key"]: r for r in json.loads(path.read_text())["records"]}
+    assert got["old"] == {**records[0], "bits_per_weight": 4 + (16 + 4) / 64, "bits_per_weight_fp16_zeros": 4.5}
+    assert got["old-g32"]["bits_per_weight"] == 2 + (16 + 2) / 32
+    assert [got[k] for k in ("new", "offset", "other")] == [records[1], records[2], records[4]]
+    assert recount.recount(path, shapes) == 0
+    assert not path.with_suffix(".md").exists()  # a table is redrawn only where one was drawn

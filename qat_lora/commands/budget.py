@@ -70,7 +70,7 @@ class BudgetChoice:
 def choose_budget(budget_bits: float, shapes: Shapes, presets: tuple[str, ...] = BUDGET_PRESETS,
                   ranks: tuple[int, ...] = BUDGET_RANKS) -> BudgetChoice:
     """The base: the preset with the most bits per weight within the budget, as at equal bytes more code bits won
-    (SmolLM2-135M: w4g64 GPTQ, 15.56 ppl at 4.31 bits, beat every adapter row up to 6.23 bits; docs/RESULTS.md, the
+    (SmolLM2-135M: w4g64 GPTQ, 15.56 ppl at 4.31 bits, beat every adapter row up to 6.24 bits; docs/RESULTS.md, the
     frontier). Then the largest rank whose unmerged adapter fits in what is left, among ranks no larger than every
     quantised layer's smaller side (past it a rank adds bits, not capacity, and the calibrated start cannot fill
     it). No rank fits: no adapter, and recover trains the grid's scales and zeros instead (`qat`: from GPTQ at
