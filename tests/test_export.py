@@ -29,6 +29,7 @@ PACKED_CASES = {
     "mixed-lowrank": QuantConfig(bits=4, group_size=32, symmetric=True, scale_rank=2, overrides=(
         ("*.mlp.*", QuantConfig(bits=2, group_size=None, scheme="lut", codebook="group")),)),
     "w4g64-qo3-v8": get_preset("w4g64-qo3-v8"),  # mixed bit widths by module name
+    "q4_0": get_preset("q4_0"),  # no zero point: none stored
 }
 
 

@@ -6,8 +6,8 @@
 `packed/` holds `model.safetensors` with, per quantised linear, the integer codes packed to their bit width
 (`<name>.qweight`, uint8), an integer zero point packed the same way at the codes' width (`<name>.zero`, the
 integer the forward uses minus qmin; none for a grid without one; format version 1 stored it fp16), and the fp16
-`scale` / float offset `zero` / `codebook` / `scale_a` / `scale_b`; every other tensor as in the model; a JSON header in the safetensors metadata (key
-`qat_lora`); the tokenizer; a `config.json` whose model_type `qat-lora-packed` transformers refuses with an error
+`scale` / float offset `zero` / `codebook` / `scale_a` / `scale_b`; every other tensor as in the model; a JSON
+header in the safetensors metadata (key `qat_lora`); the tokenizer; a `config.json` whose model_type `qat-lora-packed` transformers refuses with an error
 naming it (the model's own config sits inside, under `base_config`).
 `load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
 `dense/` is a plain `save_pretrained` folder of the dequantised weights: transformers loads it without qat_lora.
@@ -247,7 +247,8 @@ def _prepare_out(cfg: ExportConfig, entries: list[str]) -> Path:
 
 def byte_breakdown(model: nn.Module) -> dict[str, int]:
     """Bytes of the low-bit student as the packed format stores them: quantised linears' codes, their quantiser
-    tensors (fp16 scales, offsets and codebooks, integer zeros at the codes' width), the input embeddings, the head (0 when tied) and the rest."""
+    tensors (fp16 scales, offsets and codebooks, integer zeros at the codes' width), the input embeddings, the
+    head (0 when tied) and the rest."""
     layers = quantised_layers(model)
     sizes = {id(t): t.numel() * t.element_size() for t in full_precision_tensors(model, layers).values()}
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
