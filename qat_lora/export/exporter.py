@@ -7,8 +7,9 @@
 (`<name>.qweight`, uint8), an integer zero point packed the same way at the codes' width (`<name>.zero`, the
 integer the forward uses minus qmin; none for a grid without one; format version 1 stored it fp16), and the fp16
 `scale` / float offset `zero` / `codebook` / `scale_a` / `scale_b`; every other tensor as in the model; a JSON
-header in the safetensors metadata (key `qat_lora`); the tokenizer; a `config.json` whose model_type `qat-lora-packed` transformers refuses with an error
-naming it (the model's own config sits inside, under `base_config`).
+header in the safetensors metadata (key `qat_lora`); the tokenizer; a `config.json` whose model_type
+`qat-lora-packed` transformers refuses with an error naming it (the model's own config sits inside, under
+`base_config`).
 `load_packed(dir)` rebuilds the fake-quant student, whose Wq equals the exported one bit for bit.
 `dense/` is a plain `save_pretrained` folder of the dequantised weights: transformers loads it without qat_lora.
 `--format gguf` writes `gguf/model.gguf` instead (gguf/writer.py): llama.cpp's types, bit-exact for q8_0 / q4_0 / q4_1.
