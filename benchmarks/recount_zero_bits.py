@@ -50,10 +50,11 @@ def recount(path: Path, shapes: dict[str, tuple[int, int]]) -> int:
         preset, bits = record.get("preset"), record.get("bits_per_weight")
         if not preset or bits is None or "bits_per_weight_fp16_zeros" in record:
             continue
-        if any(c.group_size is None for c in (get_preset(preset), *dict(get_preset(preset).overrides).values())):
-            if "smollm2" not in record.get("model", "smollm2").lower() or "gemma" in path.name:
-                print(f"{path}: {record['key']}: a per-channel grid on another model; left as it is")
-                continue
+        cfg = get_preset(preset)
+        per_channel = any(c.group_size is None for c in (cfg, *dict(cfg.overrides).values()))
+        if per_channel and "gemma" in path.name:  # records name no model; only the Gemma files hold another one
+            print(f"{path}: {record['key']}: a per-channel grid on another model; left as it is")
+            continue
         saved, new = zero_bits_saved(preset, shapes), base_bits(preset, shapes)[0]
         if not saved or abs(bits - new) < 1e-3:
             continue  # no integer zero, or counted the new way already
