@@ -24,6 +24,8 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
                            estimate of the KL over the whole vocabulary, tail included
     ce-only                recovery LoRA on plain next-token cross-entropy, no teacher (alpha = 0)
     qat                    the quantiser's own parameters (scales, zeros, codebooks) trained by KD
+    qat-norms              qat with the normalisation weights trained too (`train --train-norms`: fp16 vectors
+                           the model ships anyway, so the same bits)
     qat+lora               qat, then recovery LoRA on top of its quantiser (tokens and wall time of both stages)
     lora-qat               recovery LoRA and the quantiser's scales and zeros trained together, one stage (`train
                            --preset qat+lora`; the scales at --lr x --quantizer-lr-ratio); the adapter ships
@@ -108,11 +110,14 @@ DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq", "ptq-blockwise": "blockwise"
 TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {}, "lora-sampled": {},
            "lora-topk-wide": {}, "lora-online": {},
            "lora-topk-tail-ce": {"alpha": 0.5}, "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {},
+           "qat-norms": {"preset": "qat", "train_norms": True},
            "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}, "lora-qat": {"preset": "qat+lora"}}
 CHAINS = {"qat+lora": "qat", "weight-qat+lora": "weight-qat"}  # chained method -> its first stage
 # The cache each method trains on (default: the top-K cache); every cache holds the same token sequences, so the
 # rows differ only in their targets. lora-online reads the top-K cache's tokens and ignores its targets.
 TRAIN_CACHE = {"lora-sampled": "sampled", "lora-topk-wide": "wide"}
+BASE_ONLY_METHODS = ("teacher", "qat", "qat-norms", "weight-qat")  # rows with no adapter
+QAT_METHODS = ("qat", "qat-norms", "weight-qat")  # the base's own parameters train, at --qat-lr
 METHODS = ("teacher", *PTQ_INITS, *DATA_INITS, *TRAINED)
 STARTS = ("preset", *DATA_INITS.values())
 HOLDOUT_FRACTION = 0.05  # documents of the training prose held out for the KD metrics (as the demo)
@@ -258,7 +263,7 @@ def plan_rows(args: argparse.Namespace) -> list[Row]:
                  if m == start or m in args.methods]
         for method in (m for m in TRAINED if m in args.methods):
             ranks = sorted({*args.ranks, args.main_rank}) if method == "lora-topk-tail" else [args.main_rank]
-            rows += [Row(preset, method, None if method in ("qat", "weight-qat") else r) for r in ranks]
+            rows += [Row(preset, method, None if method in QAT_METHODS else r) for r in ranks]
     added = [r.label for r in rows if r.method not in args.methods]
     if added:
         print(f"note: also evaluating {', '.join(added)}: the gaps are measured against them")
@@ -422,7 +427,7 @@ def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) ->
     r = row.lora_r or args.main_rank  # qat trains no adapter; the field is then unused
     fields = dict(model=args.teacher, cache=caches[TRAIN_CACHE.get(row.method, "topk")]["path"],
                   quant=row.preset, max_steps=args.max_steps, batch_size=args.batch_size,
-                  lr=args.qat_lr if row.method in ("qat", "weight-qat") else args.lr,
+                  lr=args.qat_lr if row.method in QAT_METHODS else args.lr,
                   warmup_steps=max(1, args.max_steps // 20), lora_r=r, lora_alpha=2.0 * r, seed=args.seed,
                   quantizer=init_quantizer(args, row.preset, caches))
     if row.method == "weight-qat":
@@ -663,7 +668,6 @@ def _init_cell(record: dict) -> str:
 
 
 # Methods whose student ships as its trained base alone: the quantiser's parameters or the weights on the grid.
-BASE_ONLY_METHODS = ("teacher", "qat", "weight-qat")
 
 
 def shipped_bits(record: dict, records: list[dict]) -> float | None:

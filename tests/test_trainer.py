@@ -483,3 +483,51 @@ def test_lora_can_start_from_a_saved_adapter_folder(teacher_dir, cache_dir, tmp_
     with pytest.raises(ValueError, match=r"--lora-init .*start: its adapter_model.safetensors cannot be read"):
         train(_cfg(teacher_dir, cache_dir, tmp_path / "broken", max_steps=1, lora_alpha=8.0, lora_init=str(start)),
               **QUIET)
+
+
+def test_trained_norms_ride_with_the_quantiser_into_every_student_and_export(teacher_dir, cache_dir, tmp_path):
+    from qat_lora.export.exporter import load_packed
+    from qat_lora.quant.state import has_norms, norm_parameters
+
+    base = build_student(StudentSpec(str(teacher_dir), "w2g32"))
+    base_norms = {k: p.detach().clone() for k, p in norm_parameters(base).items()}
+    assert len(base_norms) == 2 * base.config.num_hidden_layers + 1  # two per layer and the final norm
+    qat = tmp_path / "qat"
+    train(_cfg(teacher_dir, cache_dir, qat, preset="qat", max_steps=12, train_norms=True), **QUIET)
+    saved = load_file(str(qat / "quantizer.safetensors"))
+    assert has_norms(qat / "quantizer.safetensors") and set(base_norms) <= set(saved)
+    assert all(not torch.equal(saved[k], v) for k, v in base_norms.items())  # every gain moved
+    # optimizer: the norms in their own group, at the quantiser's rate, never decayed
+    cfg = _cfg(teacher_dir, cache_dir, tmp_path / "x", preset="qat", lr=1e-3, quantizer_lr_ratio=0.5,
+               weight_decay=0.1, train_norms=True)
+    model = make_trainable_(build_student(StudentSpec(str(teacher_dir), "w2g32")), "qat", norms=True)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    quant_group, norm_group = build_optimizer(cfg, model, params).param_groups
+    assert {id(p) for p in norm_group["params"]} == {id(p) for p in norm_parameters(model).values()}
+    assert norm_group["lr"] == 5e-4 and norm_group["weight_decay"] == 0.0
+    # eval's student loads them; a LoRA run over that quantiser keeps them in its base
+    student = load_student(StudentSpec(str(teacher_dir), "w2g32", str(qat / "quantizer.safetensors")))
+    assert all(torch.equal(p, saved[k]) for k, p in norm_parameters(student).items())
+    lora = tmp_path / "lora"
+    train(_cfg(teacher_dir, cache_dir, lora, quantizer=str(qat / "quantizer.safetensors"), max_steps=3), **QUIET)
+    from qat_lora.train.adapter import resolve_adapter_base
+
+    quant, quantizer = resolve_adapter_base("--adapter", str(lora / "adapter"), str(teacher_dir), "", "")
+    chained = load_student(StudentSpec(str(teacher_dir), quant, quantizer), str(lora / "adapter"))
+    assert all(torch.equal(p, saved[k]) for k, p in norm_parameters(chained).items())
+    # qat again from that quantiser without --train-norms: the norms stay as they were, and stay in the file
+    again = tmp_path / "again"
+    train(_cfg(teacher_dir, cache_dir, again, preset="qat", max_steps=3, quantizer=str(qat / "quantizer.safetensors")),
+          **QUIET)
+    resaved = load_file(str(again / "quantizer.safetensors"))
+    assert all(torch.equal(resaved[k], saved[k]) for k in base_norms)
+    # the packed export ships them: same logits as the trained student
+    out = tmp_path / "export"
+    assert main(["export", "--model", str(teacher_dir), "--quant", "w2g32", "--quantizer",
+                 str(qat / "quantizer.safetensors"), "--format", "packed", "--out", str(out)]) == 0
+    ids = torch.arange(1, 17).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.allclose(load_packed(out / "packed")(input_ids=ids).logits, student(input_ids=ids).logits,
+                              atol=1e-5)
+    with pytest.raises(ValueError, match="--train-norms --preset recovery-lora"):
+        _cfg(teacher_dir, cache_dir, tmp_path / "y", preset="recovery-lora", train_norms=True)

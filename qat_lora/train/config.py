@@ -128,6 +128,11 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
                                                                 "zero points / fp16 offsets as a fraction of the "
                                                                 "quantiser's (an offset moves every weight of its "
                                                                 "group at once: it may want a lower rate)"})
+    train_norms: bool = field(default=False, metadata={"help": "qat, qat+lora, weight-qat: also train the "
+                                                                 "normalisation weights (RMSNorm gains), at the "
+                                                                 "quantiser's rate: fp16 vectors every export ships "
+                                                                 "anyway, so no extra bits; saved in "
+                                                                 "quantizer.safetensors with the grid"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (inf: no clipping)"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale = alpha / r)"})
@@ -236,6 +241,10 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
                 raise ValueError(f"--lora-init {self.lora_init}: an adapter of rank {saved.get('r')} and alpha "
                                  f"{saved.get('lora_alpha')}; this run has --lora-r {self.lora_r} and --lora-alpha "
                                  f"{self.lora_alpha}; pass the same, or another --lora-init")
+        if self.train_norms and not {"quantizer", "weights"} & set(TRAIN_PRESETS.get(self.preset, ())):
+            raise ValueError(f"--train-norms --preset {self.preset}: trained norms are saved with the quantiser "
+                             "(quantizer.safetensors), which that preset does not write; use qat, qat+lora or "
+                             "weight-qat, or drop --train-norms")
         if self.lora_init != "zero" and "lora" not in TRAIN_PRESETS.get(self.preset, ()):
             raise ValueError(f"--lora-init {self.lora_init} --preset {self.preset}: that preset trains no LoRA; "
                              "drop --lora-init or use a LoRA preset")

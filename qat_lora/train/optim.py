@@ -7,6 +7,7 @@ import torch
 
 from qat_lora.train.config import TrainConfig
 from qat_lora.quant.fake_quant import latent_weights, quantised_layers, quantizer_parameters
+from qat_lora.quant.state import norm_parameters
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -19,26 +20,29 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]
                     ) -> torch.optim.Optimizer:
-    """AdamW in up to four groups (and one per other grid of a mixed preset: grid_rates): the adapter (--lr), the
+    """AdamW in up to five groups (and one per other grid of a mixed preset: grid_rates): the adapter (--lr), the
     quantisers' scales and zeros (--lr x --quantizer-lr-ratio: Adam moves each parameter by about its rate per
     step, and a scale here is ~0.1, so the adapter's rate would move a grid by 1-2 % per step; its zeros / offsets
-    at --zero-lr-ratio of that) and trained latent weights (weight-qat; --lr x --weight-lr-ratio). Neither
-    quantiser nor weights decay: decay would pull them towards zero, off the grid the quantiser was fitted to."""
+    at --zero-lr-ratio of that), trained latent weights (weight-qat; --lr x --weight-lr-ratio) and trained norms
+    (--train-norms; the quantiser's rate: part of the base, as it is). None of the base's parameters decays: decay
+    would pull them towards zero, off the grid the quantiser was fitted to (a norm gain, off its scale of ~1)."""
     weights = {id(p) for p in latent_weights(model) if p.requires_grad}
     quantizer = {id(p) for p in quantizer_parameters(model) if p.requires_grad}
+    norms = {id(p) for p in norm_parameters(model).values() if p.requires_grad}
     # --zero-lr-ratio other than 1: the zeros / offsets in a group of their own (at 1 the group stays one, so the
     # optimizer state of a run written before the flag existed still loads)
     zeros = {id(p) for p in quantizer_parameters(model, names=("zero",)) if p.requires_grad} \
         if cfg.zero_lr_ratio != 1.0 else set()
     quantizer_lr = cfg.lr * cfg.quantizer_lr_ratio
     rates = grid_rates(model)
-    groups = [{"params": [p for p in params.values() if id(p) not in weights | quantizer]},
+    groups = [{"params": [p for p in params.values() if id(p) not in weights | quantizer | norms]},
               {"params": [p for p in params.values() if id(p) in quantizer - zeros and id(p) not in rates],
                "lr": quantizer_lr, "weight_decay": 0.0},
               {"params": [p for p in params.values() if id(p) in weights], "lr": cfg.lr * cfg.weight_lr_ratio,
                "weight_decay": 0.0},
               {"params": [p for p in params.values() if id(p) in zeros], "lr": quantizer_lr * cfg.zero_lr_ratio,
-               "weight_decay": 0.0}]
+               "weight_decay": 0.0},
+              {"params": [p for p in params.values() if id(p) in norms], "lr": quantizer_lr, "weight_decay": 0.0}]
     for ratio in sorted(set(rates.values())):  # a mixed preset's other grids, each at its own rate
         chosen = [p for p in params.values() if rates.get(id(p)) == ratio and id(p) not in zeros]
         groups.append({"params": chosen, "lr": quantizer_lr * ratio, "weight_decay": 0.0})

@@ -30,7 +30,7 @@ from qat_lora.train.lora import lora_start_
 from qat_lora.train.optim import build_optimizer, lr_factor
 from qat_lora.quant.blocks import layer_progress
 from qat_lora.quant.fake_quant import get_preset, quant_config_dict
-from qat_lora.quant.state import has_codes
+from qat_lora.quant.state import has_codes, has_norms
 from qat_lora.train.student import (build_student, compile_decoder_layers_, enable_activation_checkpointing_,
                                     make_trainable_, resolve_attn, resolve_storage_dtype, set_storage_dtype_,
                                     trainable_parameters)
@@ -55,6 +55,7 @@ class Run:
     wall_s_before: float = 0.0  # training time of the processes before a resume
     started: float = 0.0  # perf_counter when this process's loop began
     moved: bool = False  # the student's weights started off the base model's (a --quantizer with codes)
+    norms: bool = False  # its norms train or started trained (a --quantizer with norms): saved with the quantiser
     inputs: dict = dataclasses.field(default_factory=dict)  # run_inputs(cfg): recorded, compared on resume
     finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
     finite_read_at: int = -1  # the step whose finite flag the host read last (an agreement's read)
@@ -185,7 +186,7 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
                              resuming=resume_from is not None)
     backend.rendezvous("out-ready")
     dev.seed_everything(cfg.seed)  # same seed on every rank: identical initial adapters everywhere
-    model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha)
+    model = make_trainable_(student, cfg.preset, cfg.lora_r, cfg.lora_alpha, cfg.train_norms)
     if resume_from is None:  # a resumed run loads its adapters instead
         _lora_start_(cfg, model, device, backend, log)
     storage = resolve_storage_dtype(cfg.storage_dtype, cfg.preset, precision.autocast_dtype(device, cfg.precision))
@@ -200,7 +201,8 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
     tokens_per_step = rows_per_micro_step(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
     run = Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device,
-               moved=has_codes(cfg.quantizer), finite=torch.ones((), dtype=torch.bool, device=device), inputs=inputs,
+               moved=has_codes(cfg.quantizer), norms=cfg.train_norms or has_norms(cfg.quantizer),
+               finite=torch.ones((), dtype=torch.bool, device=device), inputs=inputs,
                teacher=teacher)
     if resume_from is not None:
         _restore(run, resume_from)

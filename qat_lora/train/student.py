@@ -29,7 +29,7 @@ from qat_lora.runtime.files import apply_umask, atomic_write_json, atomic_write_
 from qat_lora.train.lora import add_recovery_lora_, load_recovery_lora
 from qat_lora.quant.blocks import decoder_layers
 from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset, latent_weights, quantize_, quantizer_parameters
-from qat_lora.quant.state import (MODEL_SIGNATURE_KEY, load_quantizer_state_, quantised_weight_count,
+from qat_lora.quant.state import (MODEL_SIGNATURE_KEY, load_quantizer_state_, norm_parameters, quantised_weight_count,
                                   save_quantizer_state)
 from qat_lora.runtime.runs import ADAPTER_DIR, QUANTIZER_FILE
 from qat_lora.runtime.writes import writing
@@ -78,8 +78,10 @@ def load_student(spec: StudentSpec, adapter: str = "", attn_implementation: str 
     return student.eval()
 
 
-def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lora_alpha: float = 32.0):
-    """Freeze everything but what `preset` trains; returns the model to train (a PeftModel with LoRA).
+def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lora_alpha: float = 32.0,
+                    norms: bool = False):
+    """Freeze everything but what `preset` trains (and, with `norms`, the normalisation weights); returns the
+    model to train (a PeftModel with LoRA).
 
     Raises:
         ValueError: an unknown preset.
@@ -96,6 +98,9 @@ def make_trainable_(student: torch.nn.Module, preset: str, lora_r: int = 16, lor
             p.requires_grad_(True)
     if "weights" in parts:  # the latent weights: the STE lets their codes move (fp32 + grad + 2 Adam states)
         for p in latent_weights(model):
+            p.requires_grad_(True)
+    if norms:
+        for p in norm_parameters(model).values():
             p.requires_grad_(True)
     return model
 
@@ -233,16 +238,17 @@ def save_adapter(model, path: Path, model_signature: str | None = None, base: di
 
 
 def save_artifacts(model, preset: str, folder: Path, codes: bool = False,
-                   model_signature: str | None = None) -> dict[str, str | None]:
+                   model_signature: str | None = None, norms: bool = False) -> dict[str, str | None]:
     """What the preset trained, in standard files: `adapter/` (PEFT) and/or `quantizer.safetensors`, whose codes
     are written when the weights trained or (`codes`) had moved before training (a GPTQ or weight-qat start);
     both record `model_signature`, the base model's, and the adapter its base: the quantiser the run started
-    from, or the one written beside it when the preset trained it (written first, for its checksum)."""
+    from, or the one written beside it when the preset trained it (written first, for its checksum). With `norms`
+    (they trained, or the run started from a quantiser that carried them) the norms ride in the quantiser's file."""
     folder.mkdir(parents=True, exist_ok=True)
     paths: dict[str, str | None] = {"adapter": None, "quantizer": None}
     if "quantizer" in TRAIN_PRESETS[preset] or "weights" in TRAIN_PRESETS[preset]:
         save_quantizer_state(model, folder / QUANTIZER_FILE, codes=codes or "weights" in TRAIN_PRESETS[preset],
-                             model_signature=model_signature)
+                             model_signature=model_signature, norms=norms)
         paths["quantizer"] = str(folder / QUANTIZER_FILE)
     if "lora" in TRAIN_PRESETS[preset]:
         save_adapter(model, folder / ADAPTER_DIR, model_signature,

@@ -282,7 +282,7 @@ def _save_checkpoint(run: Run) -> Path | None:
 
 
 def _save_artifacts(run: Run, folder: Path) -> dict[str, str | None]:
-    return save_artifacts(run.model, run.cfg.preset, folder, run.moved, run.inputs.get("model"))
+    return save_artifacts(run.model, run.cfg.preset, folder, run.moved, run.inputs.get("model"), run.norms)
 
 
 def _stop(run: Run, signum: int | None, saved: Path | None, log: Callable[[str], None], rerun: str) -> None:
