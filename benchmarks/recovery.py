@@ -32,6 +32,7 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
                            with the trained grid
     weight-qat             the latent weights with the quantiser (STE; weights at --weight-lr), saved on the grid
     weight-qat+lora        weight-qat, then recovery LoRA on top of it
+    weight-qat-norms       weight-qat with the normalisation weights trained too (as qat-norms)
 
 `--start preset|act|gptq` chooses the init every trained row starts from (default: the preset's own): the
 matching PTQ row is run first and its quantiser state file is every training run's `--quantizer`.
@@ -111,13 +112,15 @@ TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {},
            "lora-topk-wide": {}, "lora-online": {},
            "lora-topk-tail-ce": {"alpha": 0.5}, "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {},
            "qat-norms": {"preset": "qat", "train_norms": True},
-           "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}, "lora-qat": {"preset": "qat+lora"}}
+           "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}, "lora-qat": {"preset": "qat+lora"},
+           "weight-qat-norms": {"preset": "weight-qat", "train_norms": True}}
 CHAINS = {"qat+lora": "qat", "weight-qat+lora": "weight-qat"}  # chained method -> its first stage
 # The cache each method trains on (default: the top-K cache); every cache holds the same token sequences, so the
 # rows differ only in their targets. lora-online reads the top-K cache's tokens and ignores its targets.
 TRAIN_CACHE = {"lora-sampled": "sampled", "lora-topk-wide": "wide"}
-BASE_ONLY_METHODS = ("teacher", "qat", "qat-norms", "weight-qat")  # rows with no adapter
-QAT_METHODS = ("qat", "qat-norms", "weight-qat")  # the base's own parameters train, at --qat-lr
+WEIGHT_QAT_METHODS = ("weight-qat", "weight-qat-norms")  # the latent weights train too, at --weight-lr
+QAT_METHODS = ("qat", "qat-norms", *WEIGHT_QAT_METHODS)  # the base's own parameters train, at --qat-lr
+BASE_ONLY_METHODS = ("teacher", *QAT_METHODS)  # rows with no adapter
 METHODS = ("teacher", *PTQ_INITS, *DATA_INITS, *TRAINED)
 STARTS = ("preset", *DATA_INITS.values())
 HOLDOUT_FRACTION = 0.05  # documents of the training prose held out for the KD metrics (as the demo)
@@ -430,7 +433,7 @@ def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) ->
                   lr=args.qat_lr if row.method in QAT_METHODS else args.lr,
                   warmup_steps=max(1, args.max_steps // 20), lora_r=r, lora_alpha=2.0 * r, seed=args.seed,
                   quantizer=init_quantizer(args, row.preset, caches))
-    if row.method == "weight-qat":
+    if row.method in WEIGHT_QAT_METHODS:
         fields["weight_lr_ratio"] = args.weight_lr / args.qat_lr
     if row.method == "lora-online":
         fields["online_teacher"] = args.teacher

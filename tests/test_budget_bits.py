@@ -132,8 +132,9 @@ def test_the_budget_resolves_into_the_flags_the_stages_run_with(teacher_dir, cac
     assert record["preset"] == "w4g64-v8" and record["lora_r"] == 8 and record["bits"] == 8.1
     cfg, record = _resolve_budget(RecoverConfig(**base, budget_bits=3.0, qat_steps=7), **QUIET)
     assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_steps, record["lora_r"]) == ("w2g64-v8", 0, "qat", 7, None)
+    assert cfg.qat_lr == 1e-3  # the chosen preset's rate (2 bits), not the default --quant's
     cfg, _ = _resolve_budget(RecoverConfig(**base, budget_bits=100.0, lora_steps=0), **QUIET)  # no adapter asked
-    assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w8pc", 0, "qat")
+    assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_lr) == ("w8pc", 0, "qat", 2e-4)
     cfg, _ = _resolve_budget(RecoverConfig(**base, budget_bits=3.0, qat="weight-qat"), **QUIET)  # as typed
     assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w2g64-v8", 0, "weight-qat")
     assert _resolve_budget(RecoverConfig(**base, quant="w3g64"), **QUIET)[1] is None  # no budget: as typed

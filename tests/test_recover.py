@@ -167,6 +167,16 @@ def test_default_lr_probe_scales_with_16_over_the_rank(lora_r, rates, tmp_path):
     assert config_from_args(RecoverConfig, explicit).lr == [3e-3, 1e-2]  # what the user lists is never rescaled
 
 
+@pytest.mark.parametrize("quant, rate", [("w2g64", 1e-3), ("w2g64-v8", 1e-3), ("w3g64-v8", 5e-4), ("w4g64", 2e-4),
+                                         ("q4_k", 2e-4), ("w8pc", 2e-4), ("lut3g64", 5e-4)])
+def test_default_qat_rate_follows_the_grid_width(quant, rate):
+    """The qat rate measured best fell as the start got better: 1e-3 at 2 bits, 5e-4 at 3, 2e-4 at 4 (SmolLM2)."""
+    assert RecoverConfig(model="m", quant=quant, qat="qat").qat_lr == rate
+    assert RecoverConfig(model="m", quant=quant, qat="qat", qat_lr=3e-3).qat_lr == 3e-3  # as typed
+    args = build_parser().parse_args(["recover", "--model", "m", "--quant", quant, "--qat", "weight-qat"])
+    assert config_from_args(RecoverConfig, args).qat_lr == rate
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--lr", "1e-3 1e-3", "--lr 0.001 0.001: a rate is repeated; list each once"),
     ("--lr", "0", "--lr 0.0: must be positive"),

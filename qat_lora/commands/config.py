@@ -152,6 +152,19 @@ QAT_STAGES = ("none", "weight-qat", "qat")
 LR_PROBE_AT_RANK_16 = (5e-4, 1e-3, 2e-3)
 
 
+# recover's default --qat-lr, by the width of the preset's own grid: the rate that suited `qat` (scales and zeros
+# from the GPTQ start) fell as the start got better. SmolLM2 at cpu-medium: 2 bits 1e-3 (w2g64-v8 46.69 against
+# 49.08 at 5e-4), 3 bits 5e-4 (w3g64-v8 18.55 against 19.63 at 1e-3 and 18.74 at 2e-4), 4 bits 2e-4 (w4g64-v8
+# 14.49; at cpu-small 14.79 against 15.06 at 5e-4); docs/RESULTS.md, "v_proj at 8 bits".
+QAT_LR_BY_BITS = {2: 1e-3, 3: 5e-4, 4: 2e-4}
+
+
+def qat_rate(quant: str) -> float:
+    """recover's default --qat-lr for a preset: QAT_LR_BY_BITS at its base grid's width (2 or fewer bits as 2,
+    4 or more as 4)."""
+    return QAT_LR_BY_BITS[min(max(get_preset(quant).bits, 2), 4)]
+
+
 def rate_at_rank(lr_at_rank_16: float, lora_r: int) -> float:
     """A LoRA rate measured at rank 16, moved to rank `lora_r` (times 16 / r, 3 significant digits)."""
     return float(f"{lr_at_rank_16 * 16 / lora_r:.3g}")
@@ -190,7 +203,9 @@ class RecoverConfig(StudentSpec, DeviceInput):
                                                        "none (measured best before LoRA), weight-qat (weights + "
                                                        "scales/zeros, left on the grid) or qat (scales/zeros)"})
     qat_steps: int = field(default=200, metadata={"help": "stage 2: optimizer steps"})
-    qat_lr: float = field(default=5e-4, metadata={"help": "stage 2: peak learning rate of scales and zeros"})
+    qat_lr: float = field(default=0.0, metadata={"help": "stage 2: peak learning rate of scales and zeros (0 = by "
+                                                         "the preset's width: 1e-3 at 2 bits, 5e-4 at 3, 2e-4 at 4 "
+                                                         "or more, as measured best on SmolLM2)"})
     weight_lr: float = field(default=2e-3, metadata={"help": "stage 2 (weight-qat): peak learning rate of the weights"})
     lora_steps: int = field(default=200, metadata={"help": "stage 3, recovery LoRA over the stage-2 student: "
                                                            "optimizer steps (0 = no LoRA: the result is on the grid)"})
@@ -233,7 +248,11 @@ class RecoverConfig(StudentSpec, DeviceInput):
             self.lr = lora_probe_rates(self.lora_r)
         if len(set(self.lr)) != len(self.lr):
             raise ValueError(f"--lr {' '.join(f'{x:g}' for x in self.lr)}: a rate is repeated; list each once")
-        rates = ("qat_lr", "weight_lr", "blockwise_lr", "blockwise_quant_lr")
+        require_non_negative(self, "qat_lr", finite=True, note=" (0 = by the preset's width)")
+        if not self.qat_lr and self.quant and not self.budget_bits:  # a budget: once it has chosen the preset
+            self.qat_lr = qat_rate(self.quant)
+        rates = ("qat_lr", "weight_lr", "blockwise_lr", "blockwise_quant_lr") if self.qat_lr else \
+            ("weight_lr", "blockwise_lr", "blockwise_quant_lr")
         for lr in self.lr:  # each checked like a single rate, named by the flag
             require_positive(SimpleNamespace(lr=lr), "lr", finite=True)
             require_at_most(SimpleNamespace(lr=lr), lr=MAX_LR)
