@@ -19,7 +19,7 @@ from qat_lora.commands.cli import main
 from qat_lora.train.config import TRAIN_PRESETS, StudentSpec, TrainConfig
 from qat_lora.runtime.launch import launch_local
 from qat_lora.train.metrics import kd_metrics
-from qat_lora.quant.fake_quant import latent_weights, quantizer_parameters
+from qat_lora.quant.fake_quant import get_preset, latent_weights, quantizer_parameters
 from qat_lora.quant.state import quantizer_state_dict, save_quantizer_state
 from qat_lora.train.student import build_student, enable_activation_checkpointing_, load_student, make_trainable_
 from qat_lora.train.optim import build_optimizer
@@ -531,3 +531,42 @@ def test_trained_norms_ride_with_the_quantiser_into_every_student_and_export(tea
                               atol=1e-5)
     with pytest.raises(ValueError, match="--train-norms --preset recovery-lora"):
         _cfg(teacher_dir, cache_dir, tmp_path / "y", preset="recovery-lora", train_norms=True)
+
+
+def test_trained_scales_never_cross_zero(teacher_dir, cache_dir, tmp_path):
+    """Adam moves a scale by about its rate per step whatever its size: at a high rate small scales were driven
+    through 0 (and a 2-bit run at 1e-3 to a NaN once fp16 stored one as 0). Every step keeps them >= SCALE_FLOOR."""
+    from qat_lora.quant.inits import SCALE_FLOOR
+
+    run = tmp_path / "run"
+    train(_cfg(teacher_dir, cache_dir, run, preset="qat", lr=0.05, warmup_steps=1, max_steps=8), **QUIET)
+    saved = load_file(str(run / "quantizer.safetensors"))
+    scales = torch.cat([v.flatten() for k, v in saved.items() if k.endswith(".scale")])
+    assert scales.min() >= SCALE_FLOOR and (scales == SCALE_FLOOR).any()  # some were stopped at the floor
+    assert all(torch.isfinite(v).all() for v in saved.values())
+
+
+def test_constrain_keeps_each_grids_scales_in_their_domain():
+    from qat_lora.quant.fake_quant import FakeQuantLinear, constrain_quantizers_
+    from qat_lora.quant.inits import SCALE_FLOOR
+
+    torch.manual_seed(0)
+    for preset, signed in (("w2g32", False), ("w3g64f", False), ("lut3g64", False), ("q4_0", True)):
+        layer = FakeQuantLinear.from_linear(torch.nn.Linear(64, 8), get_preset(preset))
+        values = torch.tensor([0.3, -0.2, 1e-7, -1e-7, 0.0, -0.0, SCALE_FLOOR, -0.5])
+        with torch.no_grad():
+            layer.scale.copy_(values[: layer.scale.shape[0], None].expand_as(layer.scale))
+        layer.scale.requires_grad_(True)  # as make_trainable_ leaves a trained quantiser
+        constrain_quantizers_(torch.nn.Sequential(layer))
+        got = layer.scale[:, 0]
+        if signed:  # Q4_0's d keeps its sign; only its size is floored
+            expected = torch.tensor([0.3, -0.2, SCALE_FLOOR, -SCALE_FLOOR, SCALE_FLOOR, -SCALE_FLOOR, SCALE_FLOOR, -0.5])
+        else:
+            expected = torch.tensor([0.3, SCALE_FLOOR, SCALE_FLOOR, SCALE_FLOOR, SCALE_FLOOR, SCALE_FLOOR, SCALE_FLOOR,
+                                     SCALE_FLOOR])
+        assert torch.equal(got, expected), preset
+        layer.scale.requires_grad_(False)  # frozen layers are left alone
+        with torch.no_grad():
+            layer.scale.fill_(-1.0)
+        constrain_quantizers_(torch.nn.Sequential(layer))
+        assert (layer.scale == -1.0).all()

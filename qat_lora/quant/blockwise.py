@@ -41,7 +41,6 @@ from qat_lora.quant import blocks
 from qat_lora.runtime import device as dev
 from qat_lora.runtime.files import atomic_write_json, save_safetensors
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
-from qat_lora.quant.inits import SCALE_FLOOR
 from qat_lora.quant.state import CODES_KEY, quantizer_state_dict
 
 PROGRESS_FILE = "progress.json"
@@ -143,9 +142,8 @@ def _train_block_(layer: nn.Module, modules: list[FakeQuantLinear], inputs: torc
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                with torch.no_grad():  # a scale through 0 would flip its group's sign; keep it positive
-                    for m in modules:
-                        m.scale.clamp_(min=SCALE_FLOOR)
+                for m in modules:  # a scale through 0 would flip its group's sign (Quantizer.constrain_)
+                    m.quantizer.constrain_(m.quant_parameters())
                 dev.sync(device)  # XLA: one graph per step (the same graph every step), no host read
     finally:
         for p in (*weights, *quantizer):

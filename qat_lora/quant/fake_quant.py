@@ -275,6 +275,15 @@ def quantizer_parameters(model: nn.Module, names: tuple[str, ...] | None = None)
             for name, p in m.quant_parameters().items() if names is None or name in names]
 
 
+@torch.no_grad()
+def constrain_quantizers_(model: nn.Module) -> None:
+    """After an optimizer step: every trained quantiser back in its grid's domain (Quantizer.constrain_; a scale
+    at least SCALE_FLOOR), in place, one elementwise op per layer, no host read."""
+    for m in model.modules():
+        if isinstance(m, FakeQuantLinear) and any(p.requires_grad for p in m.quant_parameters().values()):
+            m.quantizer.constrain_(m.quant_parameters())
+
+
 def latent_weights(model: nn.Module) -> list[nn.Parameter]:
     """The latent full-precision weight of every fake-quantised linear."""
     return [m.weight for m in model.modules() if isinstance(m, FakeQuantLinear)]

@@ -50,7 +50,7 @@ from qat_lora.runtime.files import FolderLock, atomic_write_json
 from qat_lora.train.loss import KDLossConfig, forward_loss
 from qat_lora.train.metrics import kd_metrics
 from qat_lora.train.reporting import open_reporters
-from qat_lora.quant.fake_quant import quantized_weights_once_per_step, quantizer_parameters
+from qat_lora.quant.fake_quant import constrain_quantizers_, quantized_weights_once_per_step, quantizer_parameters
 from qat_lora.train.run import Run, check_out, finished_run, rows_per_micro_step, set_up
 from qat_lora.train.student import begin_step, check_compile, save_artifacts
 
@@ -169,6 +169,7 @@ def _optimizer_step(run: Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dty
                 run.backend.reduce_gradients(run.optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(run.params.values()), cfg.max_grad_norm)
                 run.optimizer.step()
+                constrain_quantizers_(run.model)  # a scale driven through 0 would be a NaN by the forward's fp16
                 run.scheduler.step()
                 run.optimizer.zero_grad(set_to_none=False)
                 # Part of the step's graph (no extra graph, no host read): read only by _check_finite.

@@ -67,6 +67,10 @@ class Quantizer:
         """Values to copy into the parameters so that they hold exactly what the forward uses (Wq unchanged)."""
         return {k: quant_init.snap_fp16(p.detach()) for k, p in params.items()}
 
+    @torch.no_grad()
+    def constrain_(self, params: Params) -> None:
+        """Keep trained parameters in the grid's domain, in place, after an optimizer step (no host read)."""
+
     # -- the grid ----------------------------------------------------------------------------------------------
     def fake_quantize(self, weight: torch.Tensor, params: Params, hold_codes: bool = False) -> torch.Tensor:
         """Wq [out, in] of weight on the grid, in weight's dtype, differentiable as the training forward needs.
@@ -199,6 +203,13 @@ class _GroupScaled(Quantizer):
 
     def _init_own(self, weight: torch.Tensor, importance: torch.Tensor | None) -> Params:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def constrain_(self, params: Params) -> None:
+        """A group's scale stays at least SCALE_FLOOR: Adam moves it by about its rate per step whatever its size,
+        so a small scale can cross 0 (its group's codes would flip sign) or land below fp16's smallest normal,
+        where the forward's fp16 value is 0 and w / s divides by it (a NaN by step 280 of a 2-bit run at 1e-3)."""
+        params["scale"].clamp_(min=quant_init.SCALE_FLOOR)
 
     def _scale(self, params: Params) -> torch.Tensor:
         return effective_scale(params["scale"], params.get("scale_a"), params.get("scale_b"), self.group_size)

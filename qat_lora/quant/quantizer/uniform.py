@@ -47,6 +47,16 @@ class IntQuantizer(_GroupScaled):
         """The grid value of level q."""
         return (q - z) * s
 
+    @torch.no_grad()
+    def constrain_(self, params: Params) -> None:
+        """As every group scale, at least SCALE_FLOOR in size; a grid with no zero point (Q4_0 / Q8_0) keeps its
+        sign, as llama.cpp's d may be negative (its code qmin then holds the group's largest weight)."""
+        if self.cfg.zero_domain != "none":
+            return super().constrain_(params)
+        scale = params["scale"]
+        floor = torch.full_like(scale, quant_init.SCALE_FLOOR)
+        scale.copy_(torch.where(scale.abs() < quant_init.SCALE_FLOOR, torch.copysign(floor, scale), scale))
+
     def stored_parameters(self, params: Params) -> Params:
         out = super().stored_parameters(params)
         # the zero the grid uses: round(z) (fp16(z) can round the other way than z near k + 0.5), or 0 (none)
