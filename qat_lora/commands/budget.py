@@ -6,7 +6,8 @@ quantised weight (the base plus its unmerged adapter), counted on the model's ow
 
 The two counts are the toolkit's own, from shapes instead of a built model: the base's is each quantised linear's
 `quantizer_for(cfg, group).storage_bits(out, in)` (what quant.state.bits_per_weight sums), the adapter's
-train.student.lora_bits_per_weight (what adapter_bits_per_weight measures).
+train.student.lora_bits_per_weight (what adapter_bits_per_weight measures). And recover's default rates for what
+was chosen: `qat_rate(preset)` (--qat-lr) and `lora_probe_rates(r)` (--lr).
 """
 from __future__ import annotations
 
@@ -102,3 +103,32 @@ def choose_budget(budget_bits: float, shapes: Shapes, presets: tuple[str, ...] =
         if r <= narrowest and base + adapter <= budget_bits:
             return BudgetChoice(budget_bits, preset, base, r, adapter)
     return BudgetChoice(budget_bits, preset, base, None, 0.0)
+
+
+# recover's default --qat-lr, by the width of the preset's own grid: the rate that suited `qat` (scales and zeros
+# from the GPTQ start) fell as the start got better. SmolLM2 at cpu-medium: 2 bits 1e-3 (w2g64-v8 46.69 against
+# 49.08 at 5e-4), 3 bits 5e-4 (w3g64-v8 18.55 against 19.63 at 1e-3 and 18.74 at 2e-4), 4 bits 2e-4 (w4g64-v8
+# 14.49; at cpu-small 14.79 against 15.06 at 5e-4); docs/RESULTS.md, "v_proj at 8 bits".
+QAT_LR_BY_BITS = {2: 1e-3, 3: 5e-4, 4: 2e-4}
+
+
+def qat_rate(quant: str) -> float:
+    """recover's default --qat-lr for a preset: QAT_LR_BY_BITS at its base grid's width (2 or fewer bits as 2,
+    4 or more as 4)."""
+    return QAT_LR_BY_BITS[min(max(get_preset(quant).bits, 2), 4)]
+
+
+# recover's default --lr probe at LoRA rank 16. With alpha = 2 r an adapter's update grows with its rank, and the
+# best measured rates fell as 16 / r: SmolLM2 w3g64 2e-3 at r16 -> 5e-4 at r64 (cpu-medium), Gemma 3 w3g64 5e-4 at
+# r16 -> 1.25e-4 at r64 (cpu-small, both from the calibrated start; docs/RESULTS.md).
+LR_PROBE_AT_RANK_16 = (5e-4, 1e-3, 2e-3)
+
+
+def rate_at_rank(lr_at_rank_16: float, lora_r: int) -> float:
+    """A LoRA rate measured at rank 16, moved to rank `lora_r` (times 16 / r, 3 significant digits)."""
+    return float(f"{lr_at_rank_16 * 16 / lora_r:.3g}")
+
+
+def lora_probe_rates(lora_r: int) -> list[float]:
+    """recover's default --lr: LR_PROBE_AT_RANK_16 at rank lora_r."""
+    return [rate_at_rank(lr, lora_r) for lr in LR_PROBE_AT_RANK_16]

@@ -16,7 +16,7 @@ from qat_lora.runtime.options import (MAX_LR, DeviceInput, PrecisionInput, check
                                       require_positive, require_seed)
 from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.cache.encodings import encoding_from_flags
-from qat_lora.commands.budget import BUDGET_PRESETS, BUDGET_RANKS
+from qat_lora.commands.budget import BUDGET_PRESETS, BUDGET_RANKS, lora_probe_rates, qat_rate, rate_at_rank
 from qat_lora.quant.fake_quant import get_preset
 from qat_lora.train.config import StudentSpec, check_adapter, check_lora_init
 
@@ -146,35 +146,6 @@ class QuantizeConfig(StudentSpec, DeviceInput):
 
 QAT_STAGES = ("none", "weight-qat", "qat")
 
-# recover's default --lr probe at LoRA rank 16. With alpha = 2 r an adapter's update grows with its rank, and the
-# best measured rates fell as 16 / r: SmolLM2 w3g64 2e-3 at r16 -> 5e-4 at r64 (cpu-medium), Gemma 3 w3g64 5e-4 at
-# r16 -> 1.25e-4 at r64 (cpu-small, both from the calibrated start; docs/RESULTS.md).
-LR_PROBE_AT_RANK_16 = (5e-4, 1e-3, 2e-3)
-
-
-# recover's default --qat-lr, by the width of the preset's own grid: the rate that suited `qat` (scales and zeros
-# from the GPTQ start) fell as the start got better. SmolLM2 at cpu-medium: 2 bits 1e-3 (w2g64-v8 46.69 against
-# 49.08 at 5e-4), 3 bits 5e-4 (w3g64-v8 18.55 against 19.63 at 1e-3 and 18.74 at 2e-4), 4 bits 2e-4 (w4g64-v8
-# 14.49; at cpu-small 14.79 against 15.06 at 5e-4); docs/RESULTS.md, "v_proj at 8 bits".
-QAT_LR_BY_BITS = {2: 1e-3, 3: 5e-4, 4: 2e-4}
-
-
-def qat_rate(quant: str) -> float:
-    """recover's default --qat-lr for a preset: QAT_LR_BY_BITS at its base grid's width (2 or fewer bits as 2,
-    4 or more as 4)."""
-    return QAT_LR_BY_BITS[min(max(get_preset(quant).bits, 2), 4)]
-
-
-def rate_at_rank(lr_at_rank_16: float, lora_r: int) -> float:
-    """A LoRA rate measured at rank 16, moved to rank `lora_r` (times 16 / r, 3 significant digits)."""
-    return float(f"{lr_at_rank_16 * 16 / lora_r:.3g}")
-
-
-def lora_probe_rates(lora_r: int) -> list[float]:
-    """recover's default --lr: LR_PROBE_AT_RANK_16 at rank lora_r."""
-    return [rate_at_rank(lr, lora_r) for lr in LR_PROBE_AT_RANK_16]
-
-
 @dataclass
 class RecoverConfig(StudentSpec, DeviceInput):
     """The whole recovery recipe: init (-> block-wise) -> end-to-end QAT (off by default) -> recovery LoRA, each
@@ -251,13 +222,12 @@ class RecoverConfig(StudentSpec, DeviceInput):
         require_non_negative(self, "qat_lr", finite=True, note=" (0 = by the preset's width)")
         if not self.qat_lr and self.quant and not self.budget_bits:  # a budget: once it has chosen the preset
             self.qat_lr = qat_rate(self.quant)
-        rates = ("qat_lr", "weight_lr", "blockwise_lr", "blockwise_quant_lr") if self.qat_lr else \
-            ("weight_lr", "blockwise_lr", "blockwise_quant_lr")
+        rates = ("weight_lr", "blockwise_lr", "blockwise_quant_lr")
         for lr in self.lr:  # each checked like a single rate, named by the flag
             require_positive(SimpleNamespace(lr=lr), "lr", finite=True)
             require_at_most(SimpleNamespace(lr=lr), lr=MAX_LR)
         require_positive(self, *rates, finite=True)
-        require_at_most(self, **dict.fromkeys(rates, MAX_LR))
+        require_at_most(self, **dict.fromkeys(("qat_lr", *rates), MAX_LR))
         require_non_negative(self, "lr_probe_steps")
         require_non_negative(self, "budget_bits", finite=True, note=" (0 = off)")
         both = sorted(explicit_fields(self) & {"quant", "lora_r"})
