@@ -547,7 +547,7 @@ def test_trained_scales_never_cross_zero(teacher_dir, cache_dir, tmp_path):
 
 
 def test_constrain_keeps_each_grids_scales_in_their_domain():
-    from qat_lora.quant.fake_quant import FakeQuantLinear, constrain_quantizers_
+    from qat_lora.quant.fake_quant import FakeQuantLinear, constrain_quantizers_, trained_quantised_layers
     from qat_lora.quant.inits import SCALE_FLOOR
 
     torch.manual_seed(0)
@@ -557,7 +557,7 @@ def test_constrain_keeps_each_grids_scales_in_their_domain():
         with torch.no_grad():
             layer.scale.copy_(values[: layer.scale.shape[0], None].expand_as(layer.scale))
         layer.scale.requires_grad_(True)  # as make_trainable_ leaves a trained quantiser
-        constrain_quantizers_(torch.nn.Sequential(layer))
+        constrain_quantizers_(trained_quantised_layers(torch.nn.Sequential(layer)))
         got = layer.scale[:, 0]
         if signed:  # Q4_0's d keeps its sign; only its size is floored
             expected = torch.tensor([0.3, -0.2, SCALE_FLOOR, -SCALE_FLOOR, SCALE_FLOOR, -SCALE_FLOOR, SCALE_FLOOR, -0.5])
@@ -568,5 +568,5 @@ def test_constrain_keeps_each_grids_scales_in_their_domain():
         layer.scale.requires_grad_(False)  # frozen layers are left alone
         with torch.no_grad():
             layer.scale.fill_(-1.0)
-        constrain_quantizers_(torch.nn.Sequential(layer))
+        constrain_quantizers_(trained_quantised_layers(torch.nn.Sequential(layer)))
         assert (layer.scale == -1.0).all()

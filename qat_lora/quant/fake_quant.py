@@ -275,13 +275,18 @@ def quantizer_parameters(model: nn.Module, names: tuple[str, ...] | None = None)
             for name, p in m.quant_parameters().items() if names is None or name in names]
 
 
+def trained_quantised_layers(model: nn.Module) -> list[FakeQuantLinear]:
+    """The FakeQuantLinears whose quantiser trains (found once per run, not once per step)."""
+    return [m for m in model.modules()
+            if isinstance(m, FakeQuantLinear) and any(p.requires_grad for p in m.quant_parameters().values())]
+
+
 @torch.no_grad()
-def constrain_quantizers_(model: nn.Module) -> None:
-    """After an optimizer step: every trained quantiser back in its grid's domain (Quantizer.constrain_; a scale
+def constrain_quantizers_(layers: list[FakeQuantLinear]) -> None:
+    """After an optimizer step: each trained quantiser back in its grid's domain (Quantizer.constrain_; a scale
     at least SCALE_FLOOR), in place, one elementwise op per layer, no host read."""
-    for m in model.modules():
-        if isinstance(m, FakeQuantLinear) and any(p.requires_grad for p in m.quant_parameters().values()):
-            m.quantizer.constrain_(m.quant_parameters())
+    for m in layers:
+        m.quantizer.constrain_(m.quant_parameters())
 
 
 def latent_weights(model: nn.Module) -> list[nn.Parameter]:

@@ -29,7 +29,7 @@ from qat_lora.runtime.files import (atomic_write_json, check_out_apart_from_inpu
 from qat_lora.train.lora import lora_start_
 from qat_lora.train.optim import build_optimizer, lr_factor
 from qat_lora.quant.blocks import layer_progress
-from qat_lora.quant.fake_quant import get_preset, quant_config_dict
+from qat_lora.quant.fake_quant import get_preset, quant_config_dict, trained_quantised_layers
 from qat_lora.quant.state import has_codes, has_norms
 from qat_lora.train.student import (build_student, compile_decoder_layers_, enable_activation_checkpointing_,
                                     make_trainable_, resolve_attn, resolve_storage_dtype, set_storage_dtype_,
@@ -56,6 +56,7 @@ class Run:
     started: float = 0.0  # perf_counter when this process's loop began
     moved: bool = False  # the student's weights started off the base model's (a --quantizer with codes)
     norms: bool = False  # its norms train or started trained (a --quantizer with norms): saved with the quantiser
+    constrained: list = dataclasses.field(default_factory=list)  # trained quantised layers, constrained each step
     inputs: dict = dataclasses.field(default_factory=dict)  # run_inputs(cfg): recorded, compared on resume
     finite: torch.Tensor | None = None  # device bool: every loss and gradient norm so far was finite
     finite_read_at: int = -1  # the step whose finite flag the host read last (an agreement's read)
@@ -202,6 +203,7 @@ def set_up(cfg: TrainConfig, cache: KDCache, device: torch.device, backend: Back
     tokens_per_step = rows_per_micro_step(cfg, backend) * cfg.accumulation_steps * cache.seq_len * backend.world_size
     run = Run(cfg, model, params, optimizer, scheduler, cache, tokens_per_step, Path(cfg.out), backend, device,
                moved=has_codes(cfg.quantizer), norms=cfg.train_norms or has_norms(cfg.quantizer),
+               constrained=trained_quantised_layers(model),
                finite=torch.ones((), dtype=torch.bool, device=device), inputs=inputs,
                teacher=teacher)
     if resume_from is not None:

@@ -169,7 +169,7 @@ def _optimizer_step(run: Run, batches: Iterator, loss_cfg: KDLossConfig, amp_dty
                 run.backend.reduce_gradients(run.optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(run.params.values()), cfg.max_grad_norm)
                 run.optimizer.step()
-                constrain_quantizers_(run.model)  # a scale driven through 0 would be a NaN by the forward's fp16
+                constrain_quantizers_(run.constrained)  # a scale driven through 0 would be a NaN by the forward's fp16
                 run.scheduler.step()
                 run.optimizer.zero_grad(set_to_none=False)
                 # Part of the step's graph (no extra graph, no host read): read only by _check_finite.
