@@ -368,3 +368,21 @@ def test_block_graphs_are_built_once_per_shape_replayed_and_dropped_when_a_captu
     with pytest.warns(RuntimeWarning, match="without a CUDA graph"):
         got = gptq._gptq_quantize(w, h, 32, 0.01, False, 128, grid, graphs)
     assert list(graphs.values()) == [None] and all(torch.equal(got[k], eager[k]) for k in eager)
+
+
+def test_low_rank_scale_factors_start_at_one_over_the_grid_gptq_fits():
+    # GPTQ fits the group scales; the factors restart at 1 (B = 0), even after a run that trained them
+    teacher = _tiny("llama")
+    plain = quantize_(copy.deepcopy(teacher), QuantConfig(bits=3, group_size=32))
+    ranked = quantize_(copy.deepcopy(teacher), QuantConfig(bits=3, group_size=32, scale_rank=1))
+    with torch.no_grad():
+        for module in ranked.modules():
+            if isinstance(module, FakeQuantLinear):
+                module.scale_b.fill_(0.25)
+    gptq_(plain, _tokens(2, 8), log=lambda _: None)
+    gptq_(ranked, _tokens(2, 8), log=lambda _: None)
+    pairs = [(a, b) for a, b in zip(plain.modules(), ranked.modules()) if isinstance(a, FakeQuantLinear)]
+    assert len(pairs) == 2 * 7
+    for a, b in pairs:
+        assert torch.equal(b.scale_b, torch.zeros_like(b.scale_b))
+        assert torch.equal(b.quantized_weight(), a.quantized_weight())

@@ -447,3 +447,23 @@ def test_a_frozen_layer_under_autocast_caches_wq_in_the_compute_dtype_with_the_s
     assert layer._cached_wq.dtype == torch.bfloat16  # cast once, kept: no per-forward cast of every frozen weight
     assert torch.equal(layer(x), F.linear(x, layer.quantized_weight().to(x.dtype), layer.bias))  # fp32 outside
     assert layer._cached_wq.dtype == torch.float32
+
+
+def test_rank_one_scale_factors_start_at_the_group_scales_and_move_each_input_channel_at_the_rate():
+    # A is 1 and B starts at 0: the same grid as without factors, and Adam's first step (about lr per parameter)
+    # changes every input channel's step by a factor 1 +- lr, not 100x less.
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 6)
+    plain = FakeQuantLinear.from_linear(copy.deepcopy(linear), QuantConfig(bits=3, group_size=8))
+    ranked = FakeQuantLinear.from_linear(copy.deepcopy(linear), QuantConfig(bits=3, group_size=8, scale_rank=1))
+    assert torch.equal(ranked.quantized_weight(), plain.quantized_weight())
+    assert torch.equal(ranked.scale_a, torch.ones(6, 1))
+    lr = 1e-3
+    opt = torch.optim.Adam([ranked.scale_b.requires_grad_()], lr=lr)
+    ranked(torch.randn(4, 32)).pow(2).sum().backward()
+    opt.step()
+    factor = effective_scale(ranked.scale, ranked.scale_a, ranked.scale_b, 8) / ranked.scale.unsqueeze(-1)
+    torch.testing.assert_close((factor - 1).abs(), torch.full((6, 4, 8), lr), rtol=1e-3, atol=0)
+    # at rank 2 the second column is random and of order 1 (identical columns would stay rank 1)
+    a = FakeQuantLinear.from_linear(linear, QuantConfig(bits=3, group_size=8, scale_rank=2)).scale_a
+    assert torch.equal(a[:, 0], torch.ones(6)) and 0.2 < a[:, 1].abs().mean() < 2

@@ -195,6 +195,15 @@ PRESETS: dict[str, QuantConfig] = {
     "w3g64-v8": QuantConfig(bits=3, group_size=64, overrides=(("*.v_proj", QuantConfig(bits=8, group_size=None)),)),
     "w2g64-v8": QuantConfig(bits=2, group_size=64, init="mse", overrides=(
         ("*.v_proj", QuantConfig(bits=8, group_size=None)),)),
+    # Rank-1 scale factors (Wq = s (1 + a b^T) * (q - z) per group): each layer's grid gets its own per-input- and
+    # per-output-channel step, which no group-wise scale can give, for fp16 (out + in) numbers a layer: +0.04 bits
+    # on SmolLM2, so w3g64-v8 stays under 3.5 (3.49).
+    "w3g64-v8-sr1": QuantConfig(bits=3, group_size=64, scale_rank=1, overrides=(
+        ("*.v_proj", QuantConfig(bits=8, group_size=None)),)),
+    # At 2 bits the factors go on the MLP's linears only (2.49 bits; on q/k/o too it would be 2.505).
+    "w2g64-v8-sr1": QuantConfig(bits=2, group_size=64, init="mse", overrides=(
+        ("*.v_proj", QuantConfig(bits=8, group_size=None)),
+        ("*.mlp.*", QuantConfig(bits=2, group_size=64, init="mse", scale_rank=1)))),
     # llama.cpp's block types (ggml-quants.c): trained on exactly the grid the GGUF export stores, so that export is
     # bit-exact. Q8_0: w = d * q, q in [-128, 127]; Q4_0: w = d * (c - 8), c in [0, 15]; Q4_1: w = d * c + m; fp16 d, m.
     "q8_0": QuantConfig(bits=8, group_size=32, symmetric=True, zero_domain="none", init="ggml"),

@@ -14,6 +14,7 @@ solved as one stacked matrix.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import time
 from typing import Callable, Iterator
 
@@ -26,6 +27,8 @@ from qat_lora.runtime import device as dev
 
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.gptq_solve import gptq_quantize
+
+LOW_RANK_FACTORS = ("scale_a", "scale_b")
 
 
 def relative_error(weight: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -109,6 +112,8 @@ def _write_(module: FakeQuantLinear, result: dict[str, torch.Tensor]) -> None:
     for name, value in result.items():
         if name != "weight":
             getattr(module, name).copy_(value)
+    if module.cfg.scale_rank:
+        module.scale_b.zero_()  # s (1 + A 0) = s: the grid GPTQ fitted
     module._cached_wq = None
 
 
@@ -128,8 +133,10 @@ def _quantize_modules(modules: dict[str, FakeQuantLinear], h: torch.Tensor, damp
         # a copy: _write_ overwrites the latent weight, and the error report compares against W
         weights = [m.weight.detach().to(h.device, torch.float32, copy=True) for _, m in stack]
         rows = [w.shape[0] for w in weights]
-        result = gptq_quantize(torch.cat(weights), h, first.cfg, first.group_size, damp=damp, act_order=act_order,
-                               params=first.quant_parameters() if len(stack) == 1 else None, block_graphs=block_graphs)
+        # Low-rank scale factors (scale_rank) restart at 1 (B = 0): GPTQ fits the group scales beneath them.
+        own = {k: v for k, v in first.quant_parameters().items() if k not in LOW_RANK_FACTORS}
+        result = gptq_quantize(torch.cat(weights), h, replace(first.cfg, scale_rank=0), first.group_size, damp=damp,
+                               act_order=act_order, params=own if len(stack) == 1 else None, block_graphs=block_graphs)
         seconds = (time.perf_counter() - start) / len(stack)
         parts = [result] if len(stack) == 1 else [dict(zip(result, p)) for p in zip(*(v.split(rows) for v in result.values()))]
         for (n, m), w, mine in zip(stack, weights, parts):

@@ -194,10 +194,14 @@ class _GroupScaled(Quantizer):
     def init_parameters(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> Params:
         values = self._init_own(weight, importance)
         rank = self.cfg.scale_rank
-        if rank:  # A small and random, B zero: starts at s, and B gets a gradient at once (as LoRA)
+        if rank:  # B zero: starts at s exactly, and B gets a gradient at once (as LoRA)
+            # A of order 1, so each factor moves by about the rate per step as Adam moves B (with A ~0.01 it moved
+            # 100x less): its first column 1, B's first row then a per-input-channel factor (1 + b_j) on every
+            # group's step; the others random, or they would get the same gradient and stay rank 1.
             generator = torch.Generator().manual_seed(0)
-            a = torch.randn(weight.shape[0], rank, generator=generator) / rank**0.5
-            values["scale_a"] = quant_init.snap_fp16(a * 0.01)
+            a = torch.randn(weight.shape[0], rank, generator=generator)
+            a[:, 0] = 1.0
+            values["scale_a"] = quant_init.snap_fp16(a)
             values["scale_b"] = torch.zeros(rank, weight.shape[1])
         return values
 
