@@ -198,7 +198,7 @@ PRESETS: dict[str, QuantConfig] = {
     # Rank-1 scale factors (Wq = s (1 + a b^T) * (q - z) per group): each layer's grid gets its own per-input- and
     # per-output-channel step, which no group-wise scale can give, for fp16 (out + in) numbers a layer: +0.04 bits
     # on SmolLM2, so w3g64-v8 stays under 3.5 (3.49). Measured with `qat` at cpu-medium: a tie with the plain mixes
-    # (18.64 against 18.55 at 3 bits, 46.65 against 46.69 at 2; the factors stayed within 1 % of 1; RESULTS.md).
+    # (18.64 against 18.55 at 3 bits, 46.65 against 46.69 at 2; their median change under 1 %; RESULTS.md).
     "w3g64-v8-sr1": QuantConfig(bits=3, group_size=64, scale_rank=1, overrides=(
         ("*.v_proj", QuantConfig(bits=8, group_size=None)),)),
     # At 2 bits the factors go on the MLP's linears only (2.49 bits; on q/k/o too it would be 2.505).
