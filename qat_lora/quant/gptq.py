@@ -27,8 +27,7 @@ from qat_lora.runtime import device as dev
 
 from qat_lora.quant.fake_quant import FakeQuantLinear, quantised_layers
 from qat_lora.quant.gptq_solve import gptq_quantize
-
-LOW_RANK_FACTORS = ("scale_a", "scale_b")
+from qat_lora.quant.quantizer import LOW_RANK_FACTORS
 
 
 def relative_error(weight: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> float:

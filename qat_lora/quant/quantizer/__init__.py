@@ -18,7 +18,8 @@ holds none, only its config and group size, and takes the parameters by name.
 from __future__ import annotations
 
 from qat_lora.quant.config import QuantConfig
-from qat_lora.quant.quantizer.base import GGUF_BLOCK, ColumnGrid, Quantizer, effective_scale  # noqa: F401
+from qat_lora.quant.quantizer.base import (GGUF_BLOCK, LOW_RANK_FACTORS, ColumnGrid, Quantizer,  # noqa: F401
+                                          effective_scale)
 from qat_lora.quant.quantizer.kquant import KQuantizer
 from qat_lora.quant.quantizer.lut import LutQuantizer, _lut_lookup  # noqa: F401
 from qat_lora.quant.quantizer.uniform import IntQuantizer, OffsetQuantizer

@@ -162,6 +162,9 @@ class ColumnGrid:
 
 # --- group-scaled grids (int, offset, LUT) ---------------------------------------------------------------------
 
+LOW_RANK_FACTORS = ("scale_a", "scale_b")  # the [out, r] and [r, in] factors of s * (1 + A @ B)
+
+
 def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
                     group_size: int) -> torch.Tensor:
     """Per-group scales, optionally times low-rank factors; the one formula training and export share.
