@@ -4,10 +4,13 @@ there could buy at most, which is how the mixed presets (`w4g64-v8`: v_proj at 8
 
     qat-lora quantize --model smollm2-135m --quant w4g64 --init gptq --cache <cache> --out runs/init-w4
     python benchmarks/module_sensitivity.py --model smollm2-135m --quant w4g64 \\
-        --quantizer runs/init-w4/quantizer.safetensors --json docs/results/w4g64_sensitivity.json
+        --quantizer runs/init-w4/quantizer.safetensors --text runs/selfgen/prefix-320k \\
+        --json docs/results/w4g64_sensitivity_train.json
 
-Each row runs the same evaluation as `qat-lora eval` (non-overlapping windows of --seq-len over the first
---max-tokens of --text); the patterns are fnmatch patterns over the linears' names.
+Each row runs the same perplexity as `qat-lora eval` (non-overlapping windows of --seq-len over the first
+--max-tokens of --text); the patterns are fnmatch patterns over the linears' names ("*": all of them, the
+teacher's own perplexity). --text is calibration or training text: a preset chosen by the evaluation text's
+perplexity would be tuned on the text it is judged by, so the assets' evaluation folder is refused.
 """
 from __future__ import annotations
 
@@ -23,13 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from qat_lora.data import assets, models
+from qat_lora.data.text import list_text_files
 from qat_lora.quant.fake_quant import quantised_layers
 from qat_lora.runtime.files import atomic_write_json
 from qat_lora.train.config import StudentSpec
 from qat_lora.train.metrics import perplexity
 from qat_lora.train.student import build_student
 
-PATTERNS = ("*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj",
+PATTERNS = ("*", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj",
             "*layers.0.*", "*layers.1.*", "*layers.2.*", "*layers.27.*", "*layers.28.*", "*layers.29.*")
 
 
@@ -38,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="teacher folder, or a fetch-assets teacher name")
     p.add_argument("--quant", default="w4g64", help="the student's preset")
     p.add_argument("--quantizer", default="", help="its quantiser state (a quantize or train run's file)")
-    p.add_argument("--text", default="", help="held-out text (default: the assets' Wikipedia leads)")
+    p.add_argument("--text", nargs="+", required=True,
+                   help="calibration or training text (files, folders): never the evaluation text")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--patterns", nargs="+", default=list(PATTERNS), help="fnmatch patterns, one row each")
@@ -46,10 +51,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def training_side_text(paths: list[str]) -> list[Path]:
+    """The text files under `paths`, refusing the assets' evaluation text (the presets are judged on it)."""
+    try:
+        files = list_text_files(paths, "--text")
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    held_out = (assets.default_assets_dir() / "text" / "eval").resolve()
+    for file in files:
+        if file.resolve().is_relative_to(held_out):
+            raise SystemExit(f"--text {file}: the evaluation text; measure sensitivity on calibration or training "
+                             f"text (the teacher-written text, or {held_out.parent / 'train'})")
+    return files
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model = args.model  # a fetch-assets teacher's name stands for its folder
-    text = args.text or str(assets.default_assets_dir() / "text" / "eval" / "wikipedia_leads.txt")
+    text = [str(p) for p in training_side_text(args.text)]
     student = build_student(StudentSpec(model, args.quant, quantizer=args.quantizer)).eval()
     full = {n: m.weight.detach().clone() for n, m in models.load_causal_lm(model).named_modules()
             if isinstance(m, torch.nn.Linear)}
@@ -57,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     layers = quantised_layers(student)
 
     def ppl() -> float:
-        return perplexity(student, tokenizer, [text], args.seq_len, args.max_tokens, 4, torch.device("cpu"))["ppl"]
+        return perplexity(student, tokenizer, text, args.seq_len, args.max_tokens, 4, torch.device("cpu"))["ppl"]
 
     rows = [{"restored": "nothing", "layers": 0, "ppl": ppl()}]
     for pattern in args.patterns:
