@@ -30,6 +30,7 @@ PACKED_CASES = {
         ("*.mlp.*", QuantConfig(bits=2, group_size=None, scheme="lut", codebook="group")),)),
     "w4g64-qo3-v8": get_preset("w4g64-qo3-v8"),  # mixed bit widths by module name
     "q4_0": get_preset("q4_0"),  # no zero point: none stored
+    "w2g32-v8": get_preset("w2g32-v8"),  # fp8 group scales (and 8-bit per-channel v_proj)
 }
 
 
@@ -57,7 +58,7 @@ def test_packed_export_reloads_bit_exact(case, teacher_dir, tokenizer, tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     for name, layer in _layers(student).items():
         assert tensors[f"{name}.qweight"].dtype == torch.uint8
-        assert tensors[f"{name}.scale"].dtype == torch.float16
+        assert tensors[f"{name}.scale"].dtype == (torch.float8_e4m3fn if layer.cfg.scale_bits == 8 else torch.float16)
         # the file holds what storage_bits counts: an integer zero at the codes' width, fp16 the rest
         held = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.rpartition(".")[0] == name)
         assert 0 <= 8 * held - layer_bits(layer) < 8 * 6, name

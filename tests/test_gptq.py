@@ -326,7 +326,8 @@ def test_the_column_loop_dispatches_few_ops_per_column():
     assert Count.ops / IN < 7.5, Count.ops / IN
 
 
-def test_block_graphs_are_built_once_per_shape_replayed_and_dropped_when_a_capture_fails(monkeypatch):
+@pytest.mark.parametrize("scale_bits", [16, 8])
+def test_block_graphs_are_built_once_per_shape_replayed_and_dropped_when_a_capture_fails(monkeypatch, scale_bits):
     """The CUDA-graph path of the column loop, its plumbing checked on the CPU (capture needs CUDA): the first
     block of each shape is solved eagerly and hands its graph that block as the reference; later blocks replay it,
     each block's parameters land in its own groups; a failed capture leaves the loop eager, with one warning, and
@@ -339,18 +340,20 @@ def test_block_graphs_are_built_once_per_shape_replayed_and_dropped_when_a_captu
         def __init__(self, grid, w1t, v1, importance, group_size, expected):
             built.append(tuple(w1t.shape))
             self.grid, self.group_size = grid.for_block(w1t.shape[0] // group_size), group_size
-            assert all(torch.equal(a, b) for a, b in zip(self(w1t.clone(), v1, importance), expected))
+            assert all(torch.equal(a, b) for a, b in zip(self(w1t.clone(), v1, importance, grid), expected))
             replays.clear()
 
-        def __call__(self, w1t, v1, importance):
+        def __call__(self, w1t, v1, importance, grid):
             replays.append(1)
+            for mine, theirs in zip(self.grid.block_inputs(), grid.block_inputs(), strict=True):
+                mine.copy_(theirs)
             q, delta = gptq._aligned_block(w1t.clone(), v1, self.grid, self.group_size, importance)
             return q, delta, *(p.clone() for p in self.grid.parameters().values())
 
     w, _, h = _fixture(5)
     w = torch.cat([w, w.flip(0)], 1)  # 256 columns: two blocks of 128
     h = torch.block_diag(h, h) + 0.01 * torch.eye(2 * IN)
-    cfg = QuantConfig(bits=3, group_size=32)
+    cfg = QuantConfig(bits=3, group_size=32, scale_bits=scale_bits)  # fp8 scales: the exponent is a block input
     eager = gptq_quantize(w, h, cfg, 32)
     grid = quantizer_for(cfg, 32).column_grid(None, *w.shape, w.device)
     monkeypatch.setattr(gptq, "_BlockGraph", FakeGraph)

@@ -6,7 +6,8 @@
 `packed/` holds `model.safetensors` with, per quantised linear, the integer codes packed to their bit width
 (`<name>.qweight`, uint8), an integer zero point packed the same way at the codes' width (`<name>.zero`, the
 integer the forward uses minus qmin; none for a grid without one; format version 1 stored it fp16), and the fp16
-`scale` / float offset `zero` / `codebook` / `scale_a` / `scale_b`; every other tensor as in the model; a JSON
+`scale` / float offset `zero` / `codebook` / `scale_a` / `scale_b` (fp8 scales: `scale` in float8_e4m3fn and
+`<name>.scale_exp`, the layer's power-of-two exponent in int8; format version 3); every other tensor as in the model; a JSON
 header in the safetensors metadata (key `qat_lora`); the tokenizer; a `config.json` whose model_type
 `qat-lora-packed` transformers refuses with an error naming it (the model's own config sits inside, under
 `base_config`).
@@ -49,7 +50,7 @@ from qat_lora.quant.state import bits_per_weight, layer_bits, save_quantizer_sta
 
 HEADER_KEY = "qat_lora"
 FORMAT_NAME = "qat-lora-packed"
-FORMAT_VERSION = 2  # 2: integer zero points packed at the codes' width
+FORMAT_VERSION = 3  # 2: integer zero points packed at the codes' width; 3: fp8 scales (QuantConfig.scale_bits 8)
 WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "export.json"
 PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR = "packed", "dense", "adapter", "merged-fp", "resnap"
@@ -79,6 +80,7 @@ FOLDER_HELP = {
 # config there made AutoModelForCausalLM.from_pretrained(packed/) build a RANDOM model with only a warning.
 PACKED_MODEL_TYPE = models.PACKED_MODEL_TYPE
 QUANT_TENSORS = QUANT_PARAMETERS
+PACKED_TENSORS = (*QUANT_TENSORS, "scale_exp")  # + fp8 scales' exponent
 
 
 @torch.no_grad()
@@ -95,11 +97,14 @@ def save_packed(model: nn.Module, out_dir: str | Path, quant: QuantConfig, token
     for name, layer in quantised.items():
         tensors[f"{name}.qweight"] = pack_codes(layer.codes().cpu(), layer.cfg.bits)
         integers = layer.quantizer.integer_parameters()
-        for key, value in layer.stored_quant_parameters().items():  # what the forward uses, exact in fp16
+        # what the forward uses, exact in fp16 (fp8 scales: E4M3 bytes and an int8 exponent)
+        for key, value in layer.quantizer.packed_parameters(layer.stored_quant_parameters()).items():
             if key in integers:  # an integer zero: packed at its width, as storage_bits counts it
                 low, bits = integers[key]
                 if bits:
                     tensors[f"{name}.{key}"] = pack_codes((value.cpu() - low).to(torch.uint8), bits)
+            elif value.dtype in (torch.float8_e4m3fn, torch.int8):
+                tensors[f"{name}.{key}"] = value.cpu().contiguous()
             else:
                 tensors[f"{name}.{key}"] = value.cpu().to(torch.float16).contiguous()
         layers[name] = {"config": quant_config_dict(layer.cfg), "group_size": layer.group_size,
@@ -163,7 +168,8 @@ def load_packed(path: str | Path) -> nn.Module:
         old = model.get_submodule(name)
         layer = FakeQuantLinear(info["in_features"], info["out_features"], old.bias is not None, cfg,
                                 info["group_size"], dtype=old.weight.dtype)
-        parts = {k: tensors.pop(f"{name}.{k}") for k in QUANT_TENSORS if f"{name}.{k}" in tensors}
+        parts = layer.quantizer.unpacked_parameters(
+            {k: tensors.pop(f"{name}.{k}") for k in PACKED_TENSORS if f"{name}.{k}" in tensors})
         if header["version"] >= 2:  # integer parameters packed at their width (version 1: every one fp16)
             shapes = layer.quantizer.parameter_shapes(layer.out_features, layer.in_features)
             for key, (low, bits) in layer.quantizer.integer_parameters().items():
@@ -178,7 +184,7 @@ def load_packed(path: str | Path) -> nn.Module:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
-    quantised = {f"{n}.{k}" for n in header["layers"] for k in ("weight", *QUANT_TENSORS)}
+    quantised = {f"{n}.{k}" for n in header["layers"] for k in ("weight", *PACKED_TENSORS)}
     tied = {k for k in missing if k not in quantised and k.endswith("lm_head.weight")
             and getattr(config, "tie_word_embeddings", False)}
     if unexpected or set(missing) - quantised - tied:

@@ -90,14 +90,18 @@ class _BlockGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.q, self.delta = _aligned_block(self.w1t, self.v1, self.grid, group_size, self.importance)
-        if not all(torch.equal(a, b) for a, b in zip(self(w1t, v1, importance), expected)):
+        if not all(torch.equal(a, b) for a, b in zip(self(w1t, v1, importance, grid), expected)):
             raise RuntimeError("GPTQ block graph: its replay differs from the eager block")
 
-    def __call__(self, w1t: torch.Tensor, v1: torch.Tensor, importance: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q [out, columns], delta [out, columns] and the block's grid parameters, as `_aligned_block` gives."""
+    def __call__(self, w1t: torch.Tensor, v1: torch.Tensor, importance: torch.Tensor,
+                 grid: ColumnGrid) -> tuple[torch.Tensor, ...]:
+        """q [out, columns], delta [out, columns] and the block's grid parameters, as `_aligned_block` gives on
+        `grid` (its block inputs, e.g. fp8 scales' exponent, copied in)."""
         self.w1t.copy_(w1t)
         self.v1.copy_(v1)
         self.importance.copy_(importance)
+        for mine, theirs in zip(self.grid.block_inputs(), grid.block_inputs(), strict=True):
+            mine.copy_(theirs)
         self.graph.replay()
         return self.q.clone(), self.delta.clone(), *(p.clone() for p in self.grid.parameters().values())
 
@@ -110,7 +114,7 @@ def _solve_aligned_block(w1t: torch.Tensor, v1: torch.Tensor, grid: ColumnGrid, 
     key = (grid.block_key(), tuple(w1t.shape), group_size) if graphs is not None else None
     graph = graphs.get(key) if graphs is not None else None
     if graph is not None:
-        q, delta, *params = graph(w1t, v1, importance)
+        q, delta, *params = graph(w1t, v1, importance, grid)
     else:
         original = w1t.clone() if graphs is not None and key not in graphs else None
         local = grid.for_block(w1t.shape[0] // group_size)
@@ -179,10 +183,11 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     w[:, dead] = 0.0
     importance = torch.diag(h).clone()
     static = act_order or not grid.refits
-    if static and grid.refits:  # "static groups": every group fitted up front on the original weights
-        for group in range(in_features // group_size):
+    if grid.refits and (static or grid.fixes_range):  # every group fitted up front on the original weights: "static
+        for group in range(in_features // group_size):  # groups", or the ranges fp8 scales' exponents need
             cols = slice(group * group_size, (group + 1) * group_size)
             grid.fit_(group, w[:, cols], importance[cols])
+        grid.fix_range_()
     perm = torch.argsort(importance, descending=True) if act_order else torch.arange(in_features, device=device)
     w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_cholesky_upper(h, damp)

@@ -38,6 +38,38 @@ def fp16_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (snap_fp16(x) - x).detach()
 
 
+# fp8 E4M3 (OCP FP8, the "fn" variant NVFP4 uses for its block scales): 3 mantissa bits, normals 2^-6 .. 448,
+# subnormals down to 2^-9. Scales stored so (QuantConfig.scale_bits 8) sit under one power-of-two exponent per tensor.
+E4M3_MAX = 448.0
+E4M3_MIN_NORMAL_EXP = -6
+E4M3_MIN = 2.0 ** -9
+
+
+def fp8_exponent(scale: torch.Tensor) -> torch.Tensor:
+    """[1, 1] float: the smallest k with every scale of the tensor <= 448 * 2^k (its largest scale then has the
+    full E4M3 precision; a power of two moves E4M3's grid without changing its relative steps, and E4M3 spans
+    2^17.8, so one exponent per tensor suffices)."""
+    return torch.ceil(torch.log2(scale.amax().clamp(min=SCALE_FLOOR) / E4M3_MAX)).reshape(1, 1)
+
+
+def fp8_scale(scale: torch.Tensor, exponent: torch.Tensor, up: bool = False) -> torch.Tensor:
+    """`scale` [out, groups] (> 0) on the E4M3 grid times 2^exponent ([1, 1]): the nearest value (ties to even,
+    as a cast to torch.float8_e4m3fn rounds), or with `up` the next one up (the init: a group's range stays
+    covered); at least SCALE_FLOOR. Device-agnostic arithmetic (no fp8 dtype), no host read."""
+    unit = torch.exp2(exponent)
+    x = scale / unit
+    step = torch.exp2(torch.floor(torch.log2(x.clamp(min=2.0 ** E4M3_MIN_NORMAL_EXP))) - 3)  # 8 steps per octave
+    q = (torch.ceil(x / step) if up else torch.round(x / step)) * step
+    return (q.clamp(E4M3_MIN, E4M3_MAX) * unit).clamp(min=SCALE_FLOOR)
+
+
+def fp8_scale_ste(scale: torch.Tensor) -> torch.Tensor:
+    """Forward: `scale` on its tensor's fp8 grid (fp8_scale, the exponent from the scales themselves); backward:
+    identity, so the fp32 Adam state keeps accumulating updates smaller than a grid step."""
+    held = scale.detach()
+    return scale + (fp8_scale(held, fp8_exponent(held)) - held)
+
+
 def _grouped(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     return weight.detach().float().reshape(weight.shape[0], -1, group_size)  # [out, groups, G]
 

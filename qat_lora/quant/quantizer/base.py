@@ -11,6 +11,7 @@ from qat_lora.quant import inits as quant_init
 from qat_lora.quant.config import QuantConfig
 
 GGUF_BLOCK = 32  # weights per block of llama.cpp's Q8_0 / Q4_0 / Q4_1
+FP8_EXPONENT_BITS = 8  # an fp8-scaled layer's power-of-two exponent, stored as an int8
 Params = dict[str, torch.Tensor]
 
 
@@ -48,7 +49,8 @@ class Quantizer:
     def name(self) -> str:
         """e.g. int3-g64, lut3-g64-group: block-wise reconstruction resumes saved blocks only onto the same grid."""
         cfg = self.cfg
-        return f"{cfg.scheme}{cfg.bits}-g{self.group_size}" + ("-sym" if cfg.symmetric else "")
+        return (f"{cfg.scheme}{cfg.bits}-g{self.group_size}" + ("-sym" if cfg.symmetric else "")
+                + ("-fp8s" if cfg.scale_bits == 8 else ""))
 
     # -- parameters ------------------------------------------------------------------------------------------
     def parameter_shapes(self, out_features: int, in_features: int) -> dict[str, tuple[int, ...]]:
@@ -62,6 +64,15 @@ class Quantizer:
     def stored_parameters(self, params: Params) -> Params:
         """The parameters as the forward uses them, exact in fp16 (what an export stores), by parameter name."""
         return {k: p.detach() for k, p in params.items()}
+
+    def packed_parameters(self, stored: Params) -> Params:
+        """`stored_parameters` as the packed export writes them: as they are, unless the grid stores one in a
+        narrower float (then in that dtype, plus what decodes it; `unpacked_parameters` inverts it exactly)."""
+        return stored
+
+    def unpacked_parameters(self, parts: Params) -> Params:
+        """The inverse of `packed_parameters` on what a packed file holds."""
+        return parts
 
     def snapped_parameters(self, params: Params) -> Params:
         """Values to copy into the parameters so that they hold exactly what the forward uses (Wq unchanged)."""
@@ -97,12 +108,13 @@ class Quantizer:
         return {}
 
     def storage_bits(self, out_features: int, in_features: int) -> int:
-        """Bits a layer [out, in] takes as stored: codes at their width, integer parameters at theirs, every
-        other quantiser tensor at fp16."""
-        widths = {k: bits for k, (_, bits) in self.integer_parameters().items()}
+        """Bits a layer [out, in] takes as stored: codes at their width, integer parameters at theirs, fp8 scales
+        at 8 (and their exponent), every other quantiser tensor at fp16."""
+        widths = {"scale": self.cfg.scale_bits, **{k: bits for k, (_, bits) in self.integer_parameters().items()}}
         shapes = self.parameter_shapes(out_features, in_features)
-        return out_features * in_features * self.cfg.bits + sum(widths.get(k, 16) * math.prod(s)
-                                                                 for k, s in shapes.items())
+        exponent = FP8_EXPONENT_BITS if self.cfg.scale_bits == 8 else 0
+        return out_features * in_features * self.cfg.bits + exponent + sum(widths.get(k, 16) * math.prod(s)
+                                                                                 for k, s in shapes.items())
 
     @property
     def gguf_type(self) -> str | None:
@@ -138,6 +150,8 @@ class ColumnGrid:
     """GPTQ's per-group grid parameters, filled in as GPTQ reaches each group (`refits`) or fixed up front."""
 
     refits = False
+    #: a refitting grid that needs every group fitted once on the original weights first (then `fix_range_`)
+    fixes_range = False
 
     def fit_(self, group: int, w: torch.Tensor, importance: torch.Tensor) -> None:
         """Fit group `group` on its current weights w [out, G], weighted by importance [G] (diag H)."""
@@ -149,6 +163,13 @@ class ColumnGrid:
     def parameters(self) -> Params:
         """The parameters GPTQ chose (written into the layer), by name; empty when they stayed fixed."""
         return {}
+
+    def fix_range_(self) -> None:
+        """Called once every group has been fitted on the original weights, before the column loop."""
+
+    def block_inputs(self) -> list[torch.Tensor]:
+        """Tensors a block's column loop reads besides its columns (a CUDA graph copies them in on replay)."""
+        return []
 
     def for_block(self, groups: int) -> "ColumnGrid":
         """A fresh grid of the same kind over `groups` groups, filled by one block of columns (refitting grids:
@@ -166,14 +187,17 @@ LOW_RANK_FACTORS = ("scale_a", "scale_b")  # the [out, r] and [r, in] factors of
 
 
 def effective_scale(scale: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None,
-                    group_size: int) -> torch.Tensor:
-    """Per-group scales, optionally times low-rank factors; the one formula training and export share.
+                    group_size: int, scale_bits: int = 16) -> torch.Tensor:
+    """Per-group scales (fp16, or fp8 under a per-tensor exponent), optionally times low-rank factors; the one
+    formula training and export share.
 
     Args:
-        scale: [out, groups]; scale_a: [out, r] or None; scale_b: [r, in] or None.
+        scale: [out, groups]; scale_a: [out, r] or None; scale_b: [r, in] or None; scale_bits: 16 or 8.
     Returns:
         [out, groups, 1] (no low-rank factors) or [out, groups, G].
     """
+    if scale_bits == 8:  # on the E4M3 grid: fp16-exact too (every value >= SCALE_FLOOR), so the fp16 step is a no-op
+        scale = quant_init.fp8_scale_ste(scale)
     s = quant_init.fp16_ste(scale).unsqueeze(-1)
     if scale_a is None:
         return s
@@ -219,7 +243,8 @@ class _GroupScaled(Quantizer):
         params["scale"].clamp_(min=quant_init.SCALE_FLOOR)
 
     def _scale(self, params: Params) -> torch.Tensor:
-        return effective_scale(params["scale"], params.get("scale_a"), params.get("scale_b"), self.group_size)
+        return effective_scale(params["scale"], params.get("scale_a"), params.get("scale_b"), self.group_size,
+                               self.cfg.scale_bits)
 
 
 def _grouping(group_size: int | None) -> str:

@@ -26,7 +26,17 @@ class IntQuantizer(_GroupScaled):
         cfg = self.cfg
         scale, zero = quant_init.int_scale_zero(weight, cfg.bits, cfg.symmetric, self.group_size, cfg.init,
                                                 cfg.zero_domain, importance)
+        if cfg.scale_bits == 8:
+            scale, zero = self._fp8_fit(scale, zero, quant_init.fp8_exponent(scale))
         return {"scale": scale, "zero": zero}
+
+    def _fp8_fit(self, scale: torch.Tensor, zero: torch.Tensor, exponent: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fitted (scale, zero) moved onto fp8 scales: each scale up to the next grid value (the group's fitted
+        range stays covered: at most 1/8 wider), its zero refitted to the same low end (-z s = -z' s')."""
+        on_grid = quant_init.fp8_scale(scale, exponent, up=True)
+        zero = torch.clamp(torch.round(zero * scale / on_grid), self.cfg.qmin, self.cfg.qmax)
+        return on_grid, zero
 
     def _zero(self, zero: torch.Tensor) -> torch.Tensor:
         """round(z) through an STE, kept on the code range [qmin, qmax] (so that it is stored as one code:
@@ -61,10 +71,36 @@ class IntQuantizer(_GroupScaled):
         out = super().stored_parameters(params)
         # the zero the grid uses: round(z) (fp16(z) can round the other way than z near k + 0.5), or 0 (none)
         out["zero"] = self._zero(out["zero"])
+        out["scale"] = self._stored_scale(out["scale"])
         return out
 
     def snapped_parameters(self, params: Params) -> Params:
-        return {"scale": quant_init.snap_fp16(params["scale"].detach()), "zero": self._zero(params["zero"].detach())}
+        return {"scale": self._stored_scale(params["scale"].detach()), "zero": self._zero(params["zero"].detach())}
+
+    def _stored_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """The group scales the forward uses: fp16, or fp8 under the tensor's exponent (then fp16-exact too)."""
+        if self.cfg.scale_bits == 8:
+            scale = quant_init.fp8_scale(scale, quant_init.fp8_exponent(scale))
+        return quant_init.snap_fp16(scale)
+
+    def packed_parameters(self, stored: Params) -> Params:
+        """fp8 scales as the packed export writes them: E4M3 bytes and the tensor's exponent (int8), exactly the
+        stored values (`unpacked_parameters` inverts it bit for bit)."""
+        if self.cfg.scale_bits != 8:
+            return stored
+        scale = stored["scale"].float()
+        exponent = quant_init.fp8_exponent(scale)
+        codes = (scale / torch.exp2(exponent)).to(torch.float8_e4m3fn)
+        if not torch.equal(codes.float() * torch.exp2(exponent), scale):
+            raise ValueError("fp8 group scales off their grid: re-snap the quantiser (a bug if it came from training)")
+        return {**stored, "scale": codes, "scale_exp": exponent.to(torch.int8)}
+
+    def unpacked_parameters(self, parts: Params) -> Params:
+        if "scale_exp" not in parts:
+            return parts
+        parts = dict(parts)
+        exponent = parts.pop("scale_exp").float()
+        return {**parts, "scale": parts["scale"].float() * torch.exp2(exponent)}
 
     def fake_quantize(self, weight: torch.Tensor, params: Params, hold_codes: bool = False) -> torch.Tensor:
         out_features, in_features = weight.shape
@@ -114,7 +150,8 @@ class IntQuantizer(_GroupScaled):
         return lambda w: torch.div(w, s).round_().clamp_(low, high).mul_(s)
 
     def _block_grid(self) -> bool:
-        return not self.cfg.scale_rank and self.group_size == GGUF_BLOCK and self.cfg.bits in (4, 8)
+        cfg = self.cfg
+        return not cfg.scale_rank and cfg.scale_bits == 16 and self.group_size == GGUF_BLOCK and cfg.bits in (4, 8)
 
     @property
     def gguf_type(self) -> str | None:
@@ -147,6 +184,8 @@ class IntQuantizer(_GroupScaled):
     def compressed_tensors_reason(self) -> str | None:
         if self.cfg.scale_rank:
             return "low-rank scales"
+        if self.cfg.scale_bits == 8:
+            return "fp8 group scales (its layouts store fp16 / bf16 / fp32 scales)"
         if self.cfg.bits not in (2, 4, 8):
             return f"{self.cfg.bits}-bit codes (compressed-tensors layouts agree on 2, 4 and 8 bits only)"
         return None
@@ -156,7 +195,7 @@ class IntQuantizer(_GroupScaled):
         kind = f"int{cfg.bits}, {'symmetric' if cfg.symmetric else 'asymmetric'}"
         if cfg.zero_domain != "int":
             kind += f", zero point {cfg.zero_domain}" + (f" (llama.cpp {self.gguf_type})" if self.gguf_exact else "")
-        return f"{kind}, {_grouping(self.group_size)}"
+        return f"{kind}, {_grouping(self.group_size)}" + (", fp8 scales" if cfg.scale_bits == 8 else "")
 
 
 class OffsetQuantizer(IntQuantizer):
@@ -224,11 +263,33 @@ class _RefitColumns(ColumnGrid):
         self.scale = torch.zeros(out_features, groups, device=device)
         self.zero = torch.zeros(out_features, groups, device=device)
         self._group, self._rounding = -1, None
+        # fp8 scales: the exponent, fixed before the column loop (fix_range_) so that every group's scale, fitted
+        # as GPTQ reaches it, lands on the grid the forward uses
+        self.exponent: torch.Tensor | None = None
+
+    @property
+    def fixes_range(self) -> bool:
+        return self.quantizer.cfg.scale_bits == 8
 
     def fit_(self, group: int, w: torch.Tensor, importance: torch.Tensor) -> None:
         s, z = self.quantizer._fit_group(w, importance)
+        if self.exponent is not None:
+            s, z = self.quantizer._fp8_fit(s, z, self.exponent)
         self.scale[:, group], self.zero[:, group] = s[:, 0], z[:, 0]
         self._group = -1  # the rounding set up for a group reads its parameters as they were
+
+    def fix_range_(self) -> None:
+        """After every group was fitted on the original weights: the fp8 exponent, one octave above what those
+        fits need (error compensation can widen a later group's range: the forward's own exponent, from the final
+        scales, is then this one or lower, whose grid holds every value of this one), those fits moved onto it.
+        q/k/v solved as one stacked matrix share it: each layer's own is again this one or lower."""
+        if not self.fixes_range:
+            return
+        self.exponent = quant_init.fp8_exponent(self.scale) + 1.0
+        self.scale, self.zero = self.quantizer._fp8_fit(self.scale, self.zero, self.exponent)
+
+    def block_inputs(self) -> list[torch.Tensor]:
+        return [] if self.exponent is None else [self.exponent]
 
     def quantize(self, w: torch.Tensor, group: int) -> torch.Tensor:
         if group != self._group:  # set up once per group, not once per column (fit_ precedes a group's columns)
@@ -240,7 +301,9 @@ class _RefitColumns(ColumnGrid):
         return {"scale": self.scale, "zero": self.zero}
 
     def for_block(self, groups: int) -> "_RefitColumns":
-        return _RefitColumns(self.quantizer, self.scale.shape[0], groups, self.scale.device)
+        grid = _RefitColumns(self.quantizer, self.scale.shape[0], groups, self.scale.device)
+        grid.exponent = None if self.exponent is None else self.exponent.clone()
+        return grid
 
     def block_key(self) -> tuple:
         return type(self).__name__, repr(self.quantizer.cfg), self.quantizer.group_size
