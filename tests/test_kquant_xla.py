@@ -1,4 +1,4 @@
-"""The K-quant fake-quant forward and backward on XLA:CPU, held to torch_xla's counters: after the first steps no
+"""The K-quant and fp8-scaled (two-level scales) fake-quant forward and backward on XLA:CPU, held to torch_xla's counters: after the first steps no
 graph compiles, nothing falls back to the CPU and nothing leaves the device (no .item(), no branch on values,
 static shapes), and the XLA Wq equals the CPU one. Its own subprocess: the counters are process-wide."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from qat_lora.runtime import xla
 from qat_lora.quant.fake_quant import FakeQuantLinear, get_preset
 
 report = {}
-for preset in ("q2_k", "q3_k", "q4_k", "q6_k"):
+for preset in ("q2_k", "q3_k", "q4_k", "q6_k", "w3g32-v8", "w2g32-v8"):
     torch.manual_seed(0)
     layer = FakeQuantLinear.from_linear(nn.Linear(512, 32, bias=False), get_preset(preset))
     cpu_wq = layer.quantized_weight().detach().clone()

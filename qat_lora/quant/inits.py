@@ -49,16 +49,22 @@ def fp8_exponent(scale: torch.Tensor) -> torch.Tensor:
     """[1, 1] float: the smallest k with every scale of the tensor <= 448 * 2^k (its largest scale then has the
     full E4M3 precision; a power of two moves E4M3's grid without changing its relative steps, and E4M3 spans
     2^17.8, so one exponent per tensor suffices)."""
-    return torch.ceil(torch.log2(scale.amax().clamp(min=SCALE_FLOOR) / E4M3_MAX)).reshape(1, 1)
+    # explicit dims: torch_xla 2.9's amax() over every dim returns its input unreduced
+    return torch.ceil(torch.log2(scale.amax(dim=(0, 1), keepdim=True).clamp(min=SCALE_FLOOR) / E4M3_MAX))
+
+
+def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """2^k, exact for integer-valued k (torch.exp2 falls back to the CPU on torch_xla 2.9; pow lowers)."""
+    return torch.pow(2.0, exponent)
 
 
 def fp8_scale(scale: torch.Tensor, exponent: torch.Tensor, up: bool = False) -> torch.Tensor:
     """`scale` [out, groups] (> 0) on the E4M3 grid times 2^exponent ([1, 1]): the nearest value (ties to even,
     as a cast to torch.float8_e4m3fn rounds), or with `up` the next one up (the init: a group's range stays
     covered); at least SCALE_FLOOR. Device-agnostic arithmetic (no fp8 dtype), no host read."""
-    unit = torch.exp2(exponent)
+    unit = power_of_two(exponent)
     x = scale / unit
-    step = torch.exp2(torch.floor(torch.log2(x.clamp(min=2.0 ** E4M3_MIN_NORMAL_EXP))) - 3)  # 8 steps per octave
+    step = power_of_two(torch.floor(torch.log2(x.clamp(min=2.0 ** E4M3_MIN_NORMAL_EXP))) - 3)  # 8 steps an octave
     q = (torch.ceil(x / step) if up else torch.round(x / step)) * step
     return (q.clamp(E4M3_MIN, E4M3_MAX) * unit).clamp(min=SCALE_FLOOR)
 

@@ -90,8 +90,8 @@ class IntQuantizer(_GroupScaled):
             return stored
         scale = stored["scale"].float()
         exponent = quant_init.fp8_exponent(scale)
-        codes = (scale / torch.exp2(exponent)).to(torch.float8_e4m3fn)
-        if not torch.equal(codes.float() * torch.exp2(exponent), scale):
+        codes = (scale / quant_init.power_of_two(exponent)).to(torch.float8_e4m3fn)
+        if not torch.equal(codes.float() * quant_init.power_of_two(exponent), scale):
             raise ValueError("fp8 group scales off their grid: re-snap the quantiser (a bug if it came from training)")
         return {**stored, "scale": codes, "scale_exp": exponent.to(torch.int8)}
 
@@ -100,7 +100,7 @@ class IntQuantizer(_GroupScaled):
             return parts
         parts = dict(parts)
         exponent = parts.pop("scale_exp").float()
-        return {**parts, "scale": parts["scale"].float() * torch.exp2(exponent)}
+        return {**parts, "scale": parts["scale"].float() * quant_init.power_of_two(exponent)}
 
     def fake_quantize(self, weight: torch.Tensor, params: Params, hold_codes: bool = False) -> torch.Tensor:
         out_features, in_features = weight.shape
