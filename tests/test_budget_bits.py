@@ -23,12 +23,15 @@ SHAPES = [shape for _ in range(2) for shape in LAYER.values()]
 WEIGHTS = sum(m * n for m, n in SHAPES)
 
 
-def _base(bits: int, group: int | None, v8: bool = False) -> float:
+def _base(bits: int, group: int | None, v8: bool = False, fp8: bool = False) -> float:
     """An asymmetric int preset: `bits` per code, an fp16 scale and a `bits`-wide zero per group (per channel: a
-    row's width); `v8`: v_proj (the second 32 x 64 layer of each block) at 8 bits per channel instead."""
+    row's width); `v8`: v_proj (the second 32 x 64 layer of each block) at 8 bits per channel instead; `fp8`: the
+    group scales in 8 bits, and one 8-bit exponent per layer."""
     def layer(index: int, m: int, n: int) -> int:
-        b, g = (8, n) if v8 and index % len(LAYER) == 2 else (bits, n if group is None else group)
-        return b * m * n + (16 + b) * m * n // g
+        if v8 and index % len(LAYER) == 2:
+            return 8 * m * n + (16 + 8) * m
+        g = n if group is None else group
+        return bits * m * n + ((8 if fp8 else 16) + bits) * m * n // g + (8 if fp8 else 0)
     return sum(layer(i, m, n) for i, (m, n) in enumerate(SHAPES)) / WEIGHTS
 
 
@@ -37,7 +40,8 @@ def _adapter(r: int) -> float:
 
 
 BASES = {"w2g64": _base(2, 64), "w3g64": _base(3, 64), "w4g64": _base(4, 64), "w8pc": _base(8, None),
-         "w2g64-v8": _base(2, 64, v8=True), "w3g64-v8": _base(3, 64, v8=True), "w4g64-v8": _base(4, 64, v8=True)}
+         "w2g64-v8": _base(2, 64, v8=True), "w3g64-v8": _base(3, 64, v8=True), "w4g64-v8": _base(4, 64, v8=True),
+         "w2g32-v8": _base(2, 32, v8=True, fp8=True), "w3g32-v8": _base(3, 32, v8=True, fp8=True)}
 
 
 def test_the_tiny_teachers_shapes_come_from_its_config(teacher_dir):
@@ -62,7 +66,8 @@ def test_base_bits_from_the_shapes_are_those_of_the_built_student(preset, teache
 @pytest.mark.parametrize("budget, preset, rank", [
     (2.28125, "w2g64", None),  # exactly the smallest base, nothing left
     (2.5, "w2g64", None),  # w2g64-v8 (2.62) does not fit
-    (3.0, "w2g64-v8", None),  # the mix with more bits, and no room for an adapter
+    (2.63, "w2g64-v8", None),  # the mix with more bits; w2g32-v8 (2.65) does not fit
+    (3.0, "w2g32-v8", None),  # groups of 32 with fp8 scales, the most bits under 3, and no room for an adapter
     (8.1, "w4g64-v8", 8),  # w8pc (8.33) does not fit; 3.56 bits left hold r8 (3.56)
     (8.5, "w8pc", None),  # the most code bits win over an adapter
     (15.6, "w8pc", 16),
@@ -131,12 +136,12 @@ def test_the_budget_resolves_into_the_flags_the_stages_run_with(teacher_dir, cac
     assert cfg.lr == lora_probe_rates(8)  # the default probe at the chosen rank, not at --lora-r's default
     assert record["preset"] == "w4g64-v8" and record["lora_r"] == 8 and record["bits"] == 8.1
     cfg, record = _resolve_budget(RecoverConfig(**base, budget_bits=3.0, qat_steps=7), **QUIET)
-    assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_steps, record["lora_r"]) == ("w2g64-v8", 0, "qat", 7, None)
+    assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_steps, record["lora_r"]) == ("w2g32-v8", 0, "qat", 7, None)
     assert cfg.qat_lr == 1e-3  # the chosen preset's rate (2 bits), not the default --quant's
     cfg, _ = _resolve_budget(RecoverConfig(**base, budget_bits=100.0, lora_steps=0), **QUIET)  # no adapter asked
     assert (cfg.quant, cfg.lora_steps, cfg.qat, cfg.qat_lr) == ("w8pc", 0, "qat", 2e-4)
     cfg, _ = _resolve_budget(RecoverConfig(**base, budget_bits=3.0, qat="weight-qat"), **QUIET)  # as typed
-    assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w2g64-v8", 0, "weight-qat")
+    assert (cfg.quant, cfg.lora_steps, cfg.qat) == ("w2g32-v8", 0, "weight-qat")
     assert _resolve_budget(RecoverConfig(**base, quant="w3g64"), **QUIET)[1] is None  # no budget: as typed
 
 

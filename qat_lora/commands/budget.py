@@ -19,8 +19,10 @@ from qat_lora.quant.quantizer import quantizer_for
 
 # The bases a budget chooses among, and the adapter ranks; each list is tried from the most bits down. Each width
 # with v_proj at 8 bits too (on SmolLM2-135M at cpu-medium the better row at each width, per bit shipped:
-# docs/RESULTS.md); on a model with no `v_proj` the mix is the plain preset, and the plain one, listed first, wins.
-BUDGET_PRESETS = ("w2g64", "w2g64-v8", "w3g64", "w3g64-v8", "w4g64", "w4g64-v8", "w8pc")
+# docs/RESULTS.md), and at 2 and 3 bits groups of 32 with fp8 scales at a few hundredths of a bit more (there
+# w2g32-v8 38.93 at 2.49 bits against w2g64-v8 46.69 at 2.46, w3g32-v8 18.32 at 3.49 against 18.55 at 3.45); on a
+# model with no `v_proj` the mix is the plain preset, and the plain one, listed first, wins.
+BUDGET_PRESETS = ("w2g64", "w2g64-v8", "w2g32-v8", "w3g64", "w3g64-v8", "w3g32-v8", "w4g64", "w4g64-v8", "w8pc")
 BUDGET_RANKS = (64, 32, 16, 8)
 
 Shapes = dict[str, tuple[int, int]]  # {linear's module name: (out_features, in_features)}

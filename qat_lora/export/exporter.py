@@ -60,7 +60,7 @@ EXPORT_ENTRIES = (PACKED_DIR, DENSE_DIR, ADAPTER_DIR, MERGED_FP_DIR, RESNAP_DIR,
                   REPORT_FILE + ".tmp")
 # What each folder holds and how to load it: the export's summary prints this for every folder it wrote.
 FOLDER_HELP = {
-    PACKED_DIR: "the low-bit base, codes at their bit width + fp16 scales; qat-lora only: "
+    PACKED_DIR: "the low-bit base, codes at their bit width + fp16 (or fp8) scales; qat-lora only: "
                 "qat_lora.export.exporter.load_packed(dir)",
     DENSE_DIR: "the low-bit base dequantised to full precision (same size as the original model); plain "
                "transformers: AutoModelForCausalLM.from_pretrained(dir)",
