@@ -213,7 +213,7 @@ PRESETS: dict[str, QuantConfig] = {
     "w2g32-v8": QuantConfig(bits=2, group_size=32, init="mse", scale_bits=8, overrides=(
         ("*.v_proj", QuantConfig(bits=8, group_size=None)),)),
     # Bits moved from attention to the MLP: in the trained w3g32-v8 student (SmolLM2, training text) putting every
-    # attention linear back to full precision gains nothing, the MLP's 80 % of the gap, down_proj the most
+    # attention linear back to full precision gains nothing, the MLP 79 % of the gap, down_proj the most
     # (docs/results/w3g32v8_qat_sensitivity_train.json). q/k/o at 2 bits pay for down_proj at 4: 3.48 bits. Measured
     # worse, kept to reproduce that row: `qat` at cpu-medium 19.47 against w3g32-v8's 18.32 (GPTQ 24.22 against
     # 21.37): 2-bit attention costs more than training wins back (RESULTS.md, "Where the trained 3-bit student loses").
