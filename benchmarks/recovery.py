@@ -24,6 +24,7 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
                            estimate of the KL over the whole vocabulary, tail included
     ce-only                recovery LoRA on plain next-token cross-entropy, no teacher (alpha = 0)
     qat                    the quantiser's own parameters (scales, zeros, codebooks) trained by KD
+    qat-online             qat on the teacher's whole distribution, computed in each step (as lora-online)
     qat-norms              qat with the normalisation weights trained too (`train --train-norms`: fp16 vectors
                            the model ships anyway, so the same bits)
     qat+lora               qat, then recovery LoRA on top of its quantiser (tokens and wall time of both stages)
@@ -110,16 +111,18 @@ DATA_INITS = {"ptq-act": "act", "ptq-gptq": "gptq", "ptq-blockwise": "blockwise"
 # stage (qat, weight-qat) and lora-topk-tail over its quantiser state.
 TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {}, "lora-sampled": {},
            "lora-topk-wide": {}, "lora-online": {},
-           "lora-topk-tail-ce": {"alpha": 0.5}, "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"}, "qat+lora": {},
+           "lora-topk-tail-ce": {"alpha": 0.5}, "ce-only": {"alpha": 0.0}, "qat": {"preset": "qat"},
+           "qat-online": {"preset": "qat"}, "qat+lora": {},
            "qat-norms": {"preset": "qat", "train_norms": True},
            "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}, "lora-qat": {"preset": "qat+lora"},
            "weight-qat-norms": {"preset": "weight-qat", "train_norms": True}}
 CHAINS = {"qat+lora": "qat", "weight-qat+lora": "weight-qat"}  # chained method -> its first stage
 # The cache each method trains on (default: the top-K cache); every cache holds the same token sequences, so the
-# rows differ only in their targets. lora-online reads the top-K cache's tokens and ignores its targets.
+# rows differ only in their targets. The online methods read the top-K cache's tokens and ignore its targets.
+ONLINE_METHODS = ("lora-online", "qat-online")
 TRAIN_CACHE = {"lora-sampled": "sampled", "lora-topk-wide": "wide"}
 WEIGHT_QAT_METHODS = ("weight-qat", "weight-qat-norms")  # the latent weights train too, at --weight-lr
-QAT_METHODS = ("qat", "qat-norms", *WEIGHT_QAT_METHODS)  # the base's own parameters train, at --qat-lr
+QAT_METHODS = ("qat", "qat-online", "qat-norms", *WEIGHT_QAT_METHODS)  # the base's own parameters train, at --qat-lr
 BASE_ONLY_METHODS = ("teacher", *QAT_METHODS)  # rows with no adapter
 METHODS = ("teacher", *PTQ_INITS, *DATA_INITS, *TRAINED)
 STARTS = ("preset", *DATA_INITS.values())
@@ -435,7 +438,7 @@ def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) ->
                   quantizer=init_quantizer(args, row.preset, caches))
     if row.method in WEIGHT_QAT_METHODS:
         fields["weight_lr_ratio"] = args.weight_lr / args.qat_lr
-    if row.method == "lora-online":
+    if row.method in ONLINE_METHODS:
         fields["online_teacher"] = args.teacher
     if row.method == "lora-qat":
         fields["quantizer_lr_ratio"] = args.quantizer_lr_ratio
@@ -547,7 +550,7 @@ def run_trained(args: argparse.Namespace, row: Row, caches: dict[str, dict], dev
                          resolve_attn("auto", device))
     cache = caches[TRAIN_CACHE.get(row.method, "topk")]
     init = _init_label(args, args.start) if args.start != "preset" else get_preset(row.preset).init
-    online = row.method == "lora-online"
+    online = row.method in ONLINE_METHODS
     return {"init": init, "tokens": sum(s["tokens"] for s in stages),
             "steps": sum(s["steps"] for s in stages), "wall_s": round(sum(s["wall_s"] for s in stages), 2),
             "run_dir": stages[-1]["run_dir"], "stages": stages, "cache": cache["path"],

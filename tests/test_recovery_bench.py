@@ -18,7 +18,7 @@ REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", 
 # Every method but lora-topk-renorm (the same trainer with one more TrainConfig flag), to stay under a minute.
 METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "ptq-blockwise",
            "lora-topk-tail", "lora-sampled", "lora-topk-wide", "lora-online", "lora-topk-tail-ce", "ce-only", "qat",
-           "qat+lora", "weight-qat", "weight-qat+lora", "lora-qat")
+           "qat-online", "qat+lora", "weight-qat", "weight-qat+lora", "lora-qat")
 
 
 def _load_script():
@@ -136,6 +136,13 @@ def test_tokens_and_stages(first_run):
     assert online["cache_encoding"] == {"name": "online"} and online["cache_bytes_per_token"] == 5
     assert json.loads((Path(online["run_dir"]) / "config.json").read_text())["online_teacher"] == \
         json.loads((Path(lora["run_dir"]) / "config.json").read_text())["model"]
+    # qat-online: the grid trained on the teacher run in the step, no adapter, the qat row's start and rate
+    qat_online, qat_config = by["qat-online"], json.loads((Path(by["qat"]["run_dir"]) / "config.json").read_text())
+    config = json.loads((Path(qat_online["run_dir"]) / "config.json").read_text())
+    assert qat_online["cache_encoding"] == {"name": "online"} and qat_online["lora_r"] is None
+    assert config["preset"] == "qat" and config["online_teacher"] == qat_config["model"]
+    assert (config["lr"], config["quantizer"]) == (qat_config["lr"], qat_config["quantizer"])
+    assert qat_online["adapter_bits_per_weight"] == 0 and qat_online["ppl"] != by["qat"]["ppl"]
     # lora-qat: one stage training the adapter and the scales/zeros together, the scales at --lr x the ratio;
     # the student evaluated is that run's adapter over that run's quantiser
     joint = by["lora-qat"]
