@@ -739,16 +739,22 @@ def _label(record: dict) -> str:
     return record["method"] + (f" r{record['lora_r']}" if record["lora_r"] else "")
 
 
-def plot_curves(plt, preset: str, records: list[dict], path: Path) -> Path:
-    fig, (ax_loss, ax_ce) = plt.subplots(1, 2, figsize=(12, 4.5))
+def plot_curves(plt, preset: str, records: list[dict], path: Path) -> Path | None:
+    """The preset's training curves, or None (the file left as it is) where a record's run folder is gone
+    (another machine's --work) and the file exists: redrawn, it would silently lose that record's curve."""
+    curves = {}
     for r in records:
         try:
-            tokens, loss, ce = _curve(r["stages"])
-        except ValueError as e:  # a record whose run folder is gone (another machine's --work): no curve
+            curves[_label(r)] = _curve(r["stages"])
+        except ValueError as e:
             print(f"note: no loss curve for {preset}/{_label(r)}: {e}")
-            continue
-        ax_loss.plot(tokens, loss, label=_label(r))
-        ax_ce.plot(tokens, ce, label=_label(r))
+    if len(curves) < len(records) and path.exists():
+        print(f"note: {path} kept as it was (drawn when every run folder above was here)")
+        return None
+    fig, (ax_loss, ax_ce) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, (tokens, loss, ce) in curves.items():
+        ax_loss.plot(tokens, loss, label=label)
+        ax_ce.plot(tokens, ce, label=label)
     # The objectives differ by method (renormalised, tail, sampled, CE); the next-token CE is comparable.
     ax_loss.set(xlabel="training tokens", ylabel="training objective", title=f"{preset}: loss")
     ax_ce.set(xlabel="training tokens", ylabel="next-token CE (nats)", title=f"{preset}: CE on the training prose")
@@ -925,7 +931,8 @@ def write_plots(json_path: Path, budget: str, records: list[dict], every_budget:
     paths = []
     for preset in dict.fromkeys(r["preset"] for r in records if r.get("stages")):
         trained = [r for r in records if r["preset"] == preset and r.get("stages")]
-        paths.append(plot_curves(plt, preset, trained, Path(f"{stem}_{budget}_loss_{preset}.png")))
+        curves = plot_curves(plt, preset, trained, Path(f"{stem}_{budget}_loss_{preset}.png"))
+        paths += [curves] if curves else []
     if any(r["preset"] for r in records):
         paths.append(plot_gaps(plt, records, Path(f"{stem}_{budget}_gap.png")))
     if any(r["tokens"] for r in every_budget):

@@ -241,6 +241,20 @@ def test_markdown_table_and_plots(first_run, tiny_args):
     assert (json_path.parent / "recovery_frontier.png").stat().st_size > 0
 
 
+def test_a_loss_plot_is_kept_when_a_run_folder_is_gone(recovery, first_run, tiny_args, tmp_path):
+    """Records from another machine's --work have no metrics here: redrawing would drop their curves."""
+    pytest.importorskip("matplotlib")
+    records = [{**r, "stages": [{**s, "run_dir": str(tmp_path / "gone")} for s in r["stages"]]}
+               if r["method"] == "qat" else r for r in first_run["records"]]
+    json_path = tmp_path / "recovery.json"
+    plot = tmp_path / "recovery_test_loss_w4g32.png"
+    plot.write_bytes(b"drawn before")
+    paths = recovery.write_plots(json_path, "test", records, records)
+    assert plot.read_bytes() == b"drawn before" and plot not in paths
+    plot.unlink()  # no plot yet: drawn with the curves there are
+    assert plot in recovery.write_plots(json_path, "test", records, records) and plot.stat().st_size > 0
+
+
 def test_bits_shipped_count_an_unmerged_adapter_and_the_frontier_keeps_the_undominated(recovery):
     records = [{"preset": None, "method": "teacher", "lora_r": None, "tokens": 0, "ppl": 13.5},
                {"preset": "w3g64", "method": "ptq-gptq", "lora_r": None, "tokens": 0, "ppl": 24.0,
