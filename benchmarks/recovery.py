@@ -34,6 +34,7 @@ For the teacher (SmolLM2-135M-Instruct by default) it builds one top-K and one s
     weight-qat             the latent weights with the quantiser (STE; weights at --weight-lr), saved on the grid
     weight-qat+lora        weight-qat, then recovery LoRA on top of it
     weight-qat-norms       weight-qat with the normalisation weights trained too (as qat-norms)
+    weight-qat-online      weight-qat on the teacher's whole distribution, computed in each step (as qat-online)
 
 `--start preset|act|gptq` chooses the init every trained row starts from (default: the preset's own): the
 matching PTQ row is run first and its quantiser state file is every training run's `--quantizer`.
@@ -115,13 +116,15 @@ TRAINED = {"lora-topk-renorm": {"renormalize_topk": True}, "lora-topk-tail": {},
            "qat-online": {"preset": "qat"}, "qat+lora": {},
            "qat-norms": {"preset": "qat", "train_norms": True},
            "weight-qat": {"preset": "weight-qat"}, "weight-qat+lora": {}, "lora-qat": {"preset": "qat+lora"},
-           "weight-qat-norms": {"preset": "weight-qat", "train_norms": True}}
+           "weight-qat-norms": {"preset": "weight-qat", "train_norms": True},
+           "weight-qat-online": {"preset": "weight-qat"}}
 CHAINS = {"qat+lora": "qat", "weight-qat+lora": "weight-qat"}  # chained method -> its first stage
 # The cache each method trains on (default: the top-K cache); every cache holds the same token sequences, so the
 # rows differ only in their targets. The online methods read the top-K cache's tokens and ignore its targets.
-ONLINE_METHODS = ("lora-online", "qat-online")
+ONLINE_METHODS = ("lora-online", "qat-online", "weight-qat-online")
 TRAIN_CACHE = {"lora-sampled": "sampled", "lora-topk-wide": "wide"}
-WEIGHT_QAT_METHODS = ("weight-qat", "weight-qat-norms")  # the latent weights train too, at --weight-lr
+# The latent weights train too, at --weight-lr.
+WEIGHT_QAT_METHODS = ("weight-qat", "weight-qat-norms", "weight-qat-online")
 QAT_METHODS = ("qat", "qat-online", "qat-norms", *WEIGHT_QAT_METHODS)  # the base's own parameters train, at --qat-lr
 BASE_ONLY_METHODS = ("teacher", *QAT_METHODS)  # rows with no adapter
 METHODS = ("teacher", *PTQ_INITS, *DATA_INITS, *TRAINED)

@@ -18,7 +18,7 @@ REQUIRED = ("key", "budget", "preset", "method", "ppl", "nll", "gap_recovered", 
 # Every method but lora-topk-renorm (the same trainer with one more TrainConfig flag), to stay under a minute.
 METHODS = ("teacher", "ptq-rtn", "ptq-init", "ptq-hqq", "ptq-act", "ptq-gptq", "ptq-blockwise",
            "lora-topk-tail", "lora-sampled", "lora-topk-wide", "lora-online", "lora-topk-tail-ce", "ce-only", "qat",
-           "qat-online", "qat+lora", "weight-qat", "weight-qat+lora", "lora-qat")
+           "qat-online", "qat+lora", "weight-qat", "weight-qat+lora", "lora-qat", "weight-qat-online")
 
 
 def _load_script():
@@ -143,6 +143,11 @@ def test_tokens_and_stages(first_run):
     assert config["preset"] == "qat" and config["online_teacher"] == qat_config["model"]
     assert (config["lr"], config["quantizer"]) == (qat_config["lr"], qat_config["quantizer"])
     assert qat_online["adapter_bits_per_weight"] == 0 and qat_online["ppl"] != by["qat"]["ppl"]
+    # weight-qat-online: the latent weights too, at weight-qat's rates
+    config = json.loads((Path(by["weight-qat-online"]["run_dir"]) / "config.json").read_text())
+    weight_qat = json.loads((Path(by["weight-qat"]["run_dir"]) / "config.json").read_text())
+    assert config["preset"] == "weight-qat" and config["online_teacher"] == qat_config["model"]
+    assert (config["lr"], config["weight_lr_ratio"]) == (weight_qat["lr"], weight_qat["weight_lr_ratio"])
     # lora-qat: one stage training the adapter and the scales/zeros together, the scales at --lr x the ratio;
     # the student evaluated is that run's adapter over that run's quantiser
     joint = by["lora-qat"]
