@@ -47,7 +47,7 @@ def test_corpus_prefixes_are_continued_within_the_budget(teacher_dir, corpus_dir
     # Sampling stops at the first batch (4 samples x <= 20 tokens) that reaches the budget.
     assert 600 <= report["generated_tokens"] == sum(r["tokens"] for r in records) < 600 + 4 * 20
     first = sum(r["tokens"] for r in _records_of(tmp_path / "self" / "part-00000.jsonl"))  # compiles, elsewhere
-    assert 0 < report["first_shard_seconds"] <= report["seconds"] + 0.05
+    assert 0 < report["first_shard_seconds"] <= report["seconds"]
     assert report["tokens_per_s_after_first_shard"] > 0 and first < report["generated_tokens"]
     corpus = (corpus_dir / "a.txt").read_text() + (corpus_dir / "b.txt").read_text()
     prompts = corpus_prompts(list_text_files([corpus_dir]), tokenizer, 8, 64, len(records))
