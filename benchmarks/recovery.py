@@ -698,14 +698,23 @@ def shipped_bits(record: dict, records: list[dict]) -> float | None:
     return base + adapter
 
 
+def _text_cell(record: dict) -> str:
+    """The training text a row saw: its folder names and the first digits of its sha256 (a regenerated text keeps
+    its folder name, so the name alone does not tell two texts apart)."""
+    names, digest = record.get("train_text"), record.get("train_text_sha256")
+    if not names:
+        return "–"
+    return " + ".join(names) + (f" ({digest[:8]})" if digest else "")
+
+
 def markdown_table(records: list[dict]) -> str:
-    head = ("| budget | preset | method | r | lr | init | bits shipped | ppl | NLL | NLL − teacher (nats) | ppl ÷ teacher | gap recovered "
+    head = ("| budget | training text | preset | method | r | lr | init | bits shipped | ppl | NLL | NLL − teacher (nats) | ppl ÷ teacher | gap recovered "
             "(ppl) | gap recovered (nats) | news ppl | news ppl ÷ teacher | news gap recovered | KD KL | top-1 | tokens | "
             "wall s | device |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in records:
         lines.append(
-            f"| {r['budget']} | {r['preset'] or '–'} | {r['method']} | {r['lora_r'] or '–'} | {_lrs(r)} | "
+            f"| {r['budget']} | {_text_cell(r)} | {r['preset'] or '–'} | {r['method']} | {r['lora_r'] or '–'} | {_lrs(r)} | "
             f"{_init_cell(r)} | {_fmt(shipped_bits(r, records), '.2f')} | "
             f"{_fmt(r['ppl'], 'ppl')} | {_fmt(r['nll'])} | {_fmt(r['nll_gap_nats'])} | {_fmt(r['ppl_ratio'], '.2f')} | "
             f"{_fmt(r['gap_recovered'], '%')} | {_fmt(r['gap_recovered_nats'], '%')} | "

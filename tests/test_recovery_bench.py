@@ -274,11 +274,14 @@ def test_bits_shipped_count_an_unmerged_adapter_and_the_frontier_keeps_the_undom
     assert bits == pytest.approx([16.0, 3.5, 3.5, 6.4444, 3.5 + 2.9444 / 4, 3.5])
     assert recovery.frontier([(3.5, 24.0), (3.5, 20.4), (4.24, 18.8), (6.44, 16.7), (6.0, 19.0), (4.5, 15.6)]) \
         == [(3.5, 20.4), (4.24, 18.8), (4.5, 15.6)]
-    assert "| bits shipped |" in recovery.markdown_table([{**r, "budget": "b", "nll": 1.0, "nll_gap_nats": 0.0,
-                                                           "ppl_ratio": 1.0, "gap_recovered": 0.0,
-                                                           "gap_recovered_nats": 0.0, "kd_kl": 0.0, "kd_top1": 1.0,
-                                                           "wall_s": 0.0, "device": "cpu", "init": None}
-                                                          for r in records])
+    filler = {"budget": "b", "nll": 1.0, "nll_gap_nats": 0.0, "ppl_ratio": 1.0, "gap_recovered": 0.0,
+              "gap_recovered_nats": 0.0, "kd_kl": 0.0, "kd_top1": 1.0, "wall_s": 0.0, "device": "cpu", "init": None}
+    records[-1] |= {"train_text": ["prefix-320k-p90"], "train_text_sha256": "98b898c7e462"}
+    table = recovery.markdown_table([{**r, **filler} for r in records])
+    assert "| bits shipped |" in table
+    # Rows of two texts are told apart: the text's folder and its digest (a regenerated text keeps its name).
+    assert table.splitlines()[-1].startswith("| b | prefix-320k-p90 (98b898c7) | w3g64 | qat |")
+    assert table.splitlines()[2].startswith("| b | – |")
 
 
 def test_ppl_series_joins_budgets_of_one_method(recovery):
