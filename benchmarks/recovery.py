@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "~0.1 %% of a scale per step)")
     p.add_argument("--weight-lr", type=float, default=2e-3,
                    help="peak learning rate of the latent weights (weight-qat; grid steps here are ~0.03-0.1)")
+    p.add_argument("--hidden-weight", type=float, default=0.0,
+                   help="online methods: feature distillation, the weight of the decoder layers' hidden-state error "
+                        "against the teacher's (`train --hidden-weight`); 0 = off")
     p.add_argument("--start", default="preset", choices=STARTS,
                    help="init of every trained row: the preset's own, or a data-aware one (its PTQ row runs first)")
     p.add_argument("--calib-sequences", type=int, default=128, help="data-aware inits: calibration sequences")
@@ -209,6 +212,12 @@ def validate(args: argparse.Namespace) -> None:
     Raises:
         ValueError: one line naming the bad value and the fix.
     """
+    if not 0 <= args.hidden_weight < float("inf"):
+        raise ValueError(f"--hidden-weight {args.hidden_weight}: must be >= 0 and finite (0 = off)")
+    offline = [m for m in args.methods if m in TRAINED and m not in ONLINE_METHODS]
+    if args.hidden_weight and offline:
+        raise ValueError(f"--hidden-weight: needs the teacher in the step, and {offline[0]} trains from the cache; "
+                         f"run it without --hidden-weight or use {', '.join(ONLINE_METHODS)}")
     if not Path(args.teacher).exists():  # a fetch-assets name: that teacher's folder in the default asset folder
         args.teacher = str(models.fetched_teacher(args.teacher) or args.teacher)
     if not Path(args.teacher).is_dir():
@@ -443,6 +452,8 @@ def stage_fields(args: argparse.Namespace, row: Row, caches: dict[str, dict]) ->
         fields["weight_lr_ratio"] = args.weight_lr / args.qat_lr
     if row.method in ONLINE_METHODS:
         fields["online_teacher"] = args.teacher
+        if args.hidden_weight:  # only when on: earlier rows keep their keys
+            fields["hidden_weight"] = args.hidden_weight
     if row.method == "lora-qat":
         fields["quantizer_lr_ratio"] = args.quantizer_lr_ratio
     fields = {**fields, **TRAINED[row.method]}
@@ -532,6 +543,8 @@ def train_stage(args: argparse.Namespace, row: Row, fields: dict) -> dict:
     return {"run_dir": out, "train_preset": fields.get("preset", "recovery-lora"), "lr": fields["lr"],
             "precision": fields.get("precision", "fp32"),
             **({"lora_init": fields["lora_init"]} if "lora_init" in fields else {}),
+            **({"weight_lr": fields["lr"] * fields["weight_lr_ratio"]} if "weight_lr_ratio" in fields else {}),
+            **({"hidden_weight": fields["hidden_weight"]} if "hidden_weight" in fields else {}),
             "steps": summary["steps"], "tokens": summary["tokens"], "wall_s": summary["wall_s"],  # all processes
             "tokens_per_s": summary["tokens_per_s"], "adapter": summary["adapter"],
             "quantizer": summary["quantizer"] or fields.get("quantizer") or None}
@@ -665,8 +678,11 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 
 def _lrs(record: dict, sep: str = " / ") -> str:
-    """The peak learning rate of each training stage ("–" for a PTQ row); "cal." marks a calibrated LoRA start."""
+    """The peak learning rate of each training stage ("–" for a PTQ row); "cal." marks a calibrated LoRA start,
+    "w" the latent weights' rate (weight-qat), "feat." the weight of feature distillation (--hidden-weight)."""
     return sep.join(f"{s['lr']:g}" + (" cal." if s.get("lora_init") == "calibrated" else "")
+                    + (f" (w {s['weight_lr']:g})" if s.get("weight_lr") else "")
+                    + (f" feat. {s['hidden_weight']:g}" if s.get("hidden_weight") else "")
                     for s in record.get("stages") or [] if s.get("lr")) or "–"
 
 

@@ -152,10 +152,11 @@ import json, sys
 from qat_lora.train.config import TrainConfig
 from qat_lora.train.trainer import train
 
-teacher, cache, out, online = sys.argv[1:5]
+teacher, cache, out, online = sys.argv[1:5]  # online: 0 (the cache), 1 (a teacher), 2 (+ its hidden states)
 summary = train(TrainConfig(model=teacher, cache=cache, quant="w2g32", out=out, max_steps=4, batch_size=2,
                             warmup_steps=1, log_steps=1, device="xla", attn_implementation="eager",
-                            xla_cache_dir="off", online_teacher=teacher if online == "1" else ""), log=lambda _: None)
+                            xla_cache_dir="off", online_teacher=teacher if online != "0" else "",
+                            hidden_weight=1.0 if online == "2" else 0.0), log=lambda _: None)
 print(json.dumps(summary["compile"]))
 """
 
@@ -166,15 +167,17 @@ print(json.dumps(summary["compile"]))
 def test_the_online_step_on_xla_compiles_and_runs_as_many_graphs_as_the_cached_step(tmp_path, full_cache,
                                                                                      teacher_dir):
     reports = {}
-    for online in ("0", "1"):  # each in its own process: the counters and the in-memory graph cache are global
+    for online in ("0", "1", "2"):  # each in its own process: the counters and the in-memory graph cache are global
         reports[online] = on_xla(ONLINE_ON_XLA, str(teacher_dir), str(full_cache), str(tmp_path / online), online,
                                  timeout=600)
-    cached, online = reports["0"], reports["1"]
-    # The teacher joins the step's graph: no graph of its own, no host read, nothing after step 2.
-    assert online["graphs_compiled"] == cached["graphs_compiled"], reports
-    assert online["graph_executions"] == cached["graph_executions"], reports
-    assert online["transfers_from_device"] == cached["transfers_from_device"], reports
-    assert online["graphs_compiled_after_step_2"] == 0 and online["cpu_fallback_ops"] == [], online
+    cached = reports["0"]
+    # The teacher (and feature distillation on its hidden states) joins the step's graph: no graph of its own, no
+    # host read, nothing after step 2.
+    for online in (reports["1"], reports["2"]):
+        assert online["graphs_compiled"] == cached["graphs_compiled"], reports
+        assert online["graph_executions"] == cached["graph_executions"], reports
+        assert online["transfers_from_device"] == cached["transfers_from_device"], reports
+        assert online["graphs_compiled_after_step_2"] == 0 and online["cpu_fallback_ops"] == [], online
 
 
 @pytest.mark.slow

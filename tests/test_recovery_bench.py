@@ -236,7 +236,9 @@ def test_markdown_table_and_plots(first_run, tiny_args):
     assert len(rows) == len(first_run["records"])
     assert all(f"| {m} |" in table for m in METHODS)
     for record, row in zip(first_run["records"], rows):  # each row names its stages' learning rates
-        rates = [f"{s['lr']:g}" for s in record.get("stages") or []]
+        rates = [f"{s['lr']:g}" + (f" (w {s['weight_lr']:g})" if "weight_lr" in s else "")
+                 for s in record.get("stages") or []]
+        assert all("weight_lr" in s for s in record.get("stages") or [] if s["train_preset"] == "weight-qat")
         assert f"| {' / '.join(rates) or '–'} |" in row and (record["method"] != "qat+lora" or len(rates) == 2)
         assert ("| gptq (8 seq.) |" in row) == (record["method"] == "ptq-gptq")
     pytest.importorskip("matplotlib")

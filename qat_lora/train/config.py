@@ -154,6 +154,10 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
     online_teacher_dtype: str = field(default="fp32", metadata={"help": "--online-teacher weights and activations: "
                                                                         "fp32 or bf16 (half the memory; the loss is "
                                                                         "fp32 either way)"})
+    hidden_weight: float = field(default=0.0, metadata={"help": "feature distillation: weight of the decoder layers' "
+                                                                "hidden-state error against --online-teacher's "
+                                                                "(relative squared error per token, mean over layers) "
+                                                                "added to the KD loss; 0 = off"})
     save_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only on SIGTERM/SIGINT)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest K checkpoints (0 = all)"})
     resume: str = field(default="", metadata={"help": "auto (newest checkpoint in --out, if any) or a "
@@ -302,6 +306,9 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
             if self.online_teacher_dtype != "fp32":
                 raise ValueError("--online-teacher-dtype needs --online-teacher (the cache's targets have no dtype "
                                  "to choose); drop it or pass --online-teacher")
+            if self.hidden_weight:
+                raise ValueError("--hidden-weight: needs --online-teacher (a cache holds no hidden states to match); "
+                                 "drop it or pass --online-teacher")
             return
         models.check_model(self.online_teacher)  # a typo fails here, not after the student has loaded
         if self.renormalize_topk:
@@ -309,4 +316,4 @@ class TrainConfig(StudentSpec, DeviceInput, PrecisionInput):
                              "drop one of them")
 
     def loss_config(self) -> KDLossConfig:
-        return KDLossConfig(self.temperature, self.alpha, self.renormalize_topk)
+        return KDLossConfig(self.temperature, self.alpha, self.renormalize_topk, hidden_weight=self.hidden_weight)

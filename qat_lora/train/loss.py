@@ -36,8 +36,12 @@ class KDLossConfig:
     # Baseline only (the Anemll form): both sides renormalised over the K ids, the tail dropped. Biased: the
     # student learns an over-confident head (Anshumann et al., 2025); kept to measure what the tail is worth.
     renormalize_topk: bool = False
+    # Feature distillation (an online teacher only): weight of `hidden_state_loss` in the loss; 0 = off.
+    hidden_weight: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (0.0 <= self.hidden_weight < float("inf")):
+            raise ValueError(f"--hidden-weight {self.hidden_weight}: must be >= 0 and finite (0 = off)")
         if not self.temperature > 0:
             raise ValueError(f"--temperature {self.temperature}: must be > 0")
         if not 0.0 <= self.alpha <= 1.0:
@@ -56,14 +60,8 @@ def student_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def student_bucket_logprobs(logprobs: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Student log-probabilities of the K teacher ids and of the tail (everything else).
-
-    Args:
-        logprobs: [..., V] student log-softmax over the full vocabulary (`student_logprobs`).
-        topk_ids: [..., K] int64 teacher token ids.
-    Returns:
-        s_k: [..., K] and s_tail: [...] = logsumexp of the log-probs outside the K ids (DESIGN §3).
-    """
+    """Student log-probabilities s_k [..., K] of the K teacher ids (int64 [..., K]) and s_tail [...], the
+    logsumexp of the rest (DESIGN §3), from its full-vocabulary log-softmax [..., V] (`student_logprobs`)."""
     s_k = torch.gather(logprobs, -1, topk_ids)
     s_tail = torch.logsumexp(logprobs.scatter(-1, topk_ids, _TAIL_FILL), dim=-1)
     return s_k, s_tail
@@ -83,12 +81,8 @@ def _temper(logp: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def topk_soft_ce(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
                  temperature: float = 1.0, renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position soft cross-entropy and KL over the K+1 buckets (over the K alone when `renormalize`).
-
-    Returns:
-        soft_ce: [...] = -(sum_k q_k s_k + q_tail s_tail) (times T^2 when tempered);
-        kl: [...] = soft_ce - H(q) over the same buckets (>= 0).
-    """
+    """Per-position soft cross-entropy -(sum_k q_k s_k + q_tail s_tail) and KL = soft_ce - H(q) >= 0 over the
+    K+1 buckets (over the K alone when `renormalize`); both times T^2 when tempered."""
     return _topk_soft_ce(student_logprobs(logits), topk_ids, topk_logprobs, temperature, renormalize)
 
 
@@ -113,12 +107,8 @@ def _topk_soft_ce(s_full: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: t
 
 def _bucket_soft_ce(log_q: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft CE and KL of teacher buckets against the student's over the same buckets (last dim).
-
-    Args:
-        log_q, q: [..., n] teacher log-probabilities and probabilities (q is used as is at T = 1);
-        s: [..., n] student log-probabilities; temperature: T tempers both sides and scales by T^2.
-    """
+    """Soft CE and KL of teacher buckets (log_q, q [..., n]; q used as is at T = 1) against the student's
+    log-probabilities s [..., n] over the same buckets; T tempers both sides and scales by T^2."""
     scale = 1.0
     if temperature != 1.0:
         q, s = _temper(log_q, temperature).exp(), _temper(s, temperature)
@@ -130,14 +120,9 @@ def _bucket_soft_ce(log_q: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
 
 def full_soft_ce(logits: torch.Tensor, teacher_logits: torch.Tensor,
                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft CE and KL against the teacher's whole distribution: the K = V top-K loss without the gather (every
-    token is its own bucket), for targets computed on the fly (`--online-teacher`).
-
-    Args:
-        logits: [..., V] student logits; teacher_logits: [..., V] raw teacher logits (same vocabulary).
-    Returns:
-        soft_ce, kl: [...] (times T^2 when tempered, as the cached path).
-    """
+    """Soft CE and KL [...] of student logits [..., V] against the teacher's raw logits [..., V] (its whole
+    distribution: the K = V top-K loss without the gather), for targets computed on the fly (`--online-teacher`);
+    times T^2 when tempered, as the cached path."""
     return _full_soft_ce(student_logprobs(logits), teacher_logits, temperature)
 
 
@@ -159,11 +144,8 @@ def _sampled_soft_ce(s_full: torch.Tensor, sample_ids: torch.Tensor,
 
 
 def next_token_labels(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hard labels for position t (token t+1) and their validity (both tokens real; the last position has none).
-
-    Returns:
-        labels: [B, L] int64 (0 where invalid); label_mask: [B, L] float.
-    """
+    """Hard labels [B, L] for position t (token t+1; 0 where invalid) and their validity [B, L] float (both tokens
+    real; the last position has none)."""
     labels = torch.zeros_like(input_ids)
     labels[:, :-1] = input_ids[:, 1:]
     label_mask = torch.zeros_like(mask, dtype=torch.float32)
@@ -239,19 +221,13 @@ def _finish(sums: torch.Tensor, targets: dict[str, torch.Tensor], cfg: KDLossCon
 
 
 def kd_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], cfg: KDLossConfig) -> dict[str, torch.Tensor]:
-    """The training objective and its parts for one batch, from full logits (the reference form).
+    """The training objective and its parts for one batch, from full logits [B, L, V] (the reference form).
 
-    Args:
-        logits: [B, L, V] student logits.
-        batch: `input_ids` [B, L], `attention_mask` [B, L] (1 = real token), and the teacher targets:
-            `topk_ids` [B, L, K] + `topk_logprobs` [B, L, K] (log-softmax over the full vocabulary), or
-            `sample_ids` [B, L, S] + `sample_weights` [B, L, S] (RS-KD counts / N), or `teacher_logits`
-            [B, L, V] (an online teacher's whole distribution); none for perplexity only.
-        cfg: temperature and alpha.
-    Returns:
-        dict of 0-d tensors: `loss` = alpha * soft_ce + (1 - alpha) * ce (each averaged over its valid
-        positions), `soft_ce`, `kl`, `ce`, `top1` (student argmax == teacher argmax), and the sums and counts
-        (`*_sum`, `kd_tokens`, `ce_tokens`) that let evaluation average over many batches exactly.
+    batch: `input_ids`, `attention_mask` [B, L] (1 = real token) and one kind of teacher target (TARGET_KEYS:
+    top-K ids + log-probs over the full vocabulary, RS-KD draws + counts / N, or an online teacher's logits
+    [B, L, V]), or none for perplexity only. Returns 0-d tensors: `loss` = alpha * soft_ce + (1 - alpha) * ce
+    (each a mean over its valid positions), `soft_ce`, `kl`, `ce`, `top1` (argmax agreement), and the sums and
+    counts (`*_sum`, `kd_tokens`, `ce_tokens`) that let evaluation average over many batches exactly.
     """
     targets = _flat_targets(batch)
     return _finish(_position_sums(logits.reshape(-1, logits.shape[-1]), targets, cfg), targets, cfg)
@@ -319,14 +295,10 @@ def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str,
 
     Peak memory is set by chunk_size x V, not B x L x V: each chunk's gradient is taken as soon as its logits
     exist (`_ChunkedHeadLoss`). Equal in value to kd_loss(hidden @ weight.T + bias, ...) (soft-capped first when
-    cfg.logit_softcap is set) and, for `loss`, in gradient; the other parts are returned without a gradient (they
-    are for logging and evaluation).
-
-    Args:
-        hidden: [B, L, H] final (normed) hidden states; weight: [V, H]; bias: [V] or None.
-        chunk_size: positions per chunk (all chunks but the last have this size; shapes are fixed per run).
-        teacher_head: (weight [V, Ht], bias or None, soft-cap or None) of an online teacher whose final hidden
-            states the batch holds as `teacher_hidden` [B, L, Ht]: its logits are computed chunk by chunk too.
+    cfg.logit_softcap is set) and, for `loss`, in gradient; the other parts carry no gradient (logging, eval).
+    hidden: [B, L, H] final (normed) states; weight [V, H]; bias [V] or None; chunk_size: positions per chunk
+    (fixed shapes per run); teacher_head: (weight [V, Ht], bias or None, soft-cap or None) of an online teacher
+    whose final states the batch holds as `teacher_hidden` [B, L, Ht], its logits computed chunk by chunk too.
     """
     targets = _flat_targets(batch)
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -353,21 +325,40 @@ def kd_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, batch: dict[str,
     return out
 
 
+def hidden_state_loss(student: tuple, teacher: tuple, mask: torch.Tensor) -> torch.Tensor:
+    """Feature distillation: the mean over decoder layers and real positions of ||h_s - h_t||^2 / ||h_t||^2.
+
+    student, teacher: transformers' `hidden_states` ([B, L, H] each, embeddings first: skipped, nothing quantised
+    has acted on them); mask [B, L]. Relative per position, so neither the residual stream's growth with depth
+    nor the few positions of very large activations decide it. A 0-d fp32 tensor; no gradient into `teacher`.
+    """
+    if len(student) != len(teacher):
+        raise ValueError(f"--hidden-weight: the student has {len(student) - 1} layers, the teacher "
+                         f"{len(teacher) - 1}; feature distillation needs a teacher of the student's depth")
+    weights, total = mask.float(), 0.0
+    for h_s, h_t in zip(student[1:], teacher[1:]):
+        h_s, h_t = h_s.float(), h_t.detach().float()
+        total = total + ((h_s - h_t).pow(2).sum(-1) / (h_t.pow(2).sum(-1) + 1e-6) * weights).sum()
+    return total / (weights.sum().clamp(min=1.0) * (len(student) - 1))
+
+
 @torch.no_grad()
-def teacher_targets(teacher: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    chunk_size: int) -> tuple[dict[str, torch.Tensor], tuple | None]:
+def teacher_targets(teacher: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int,
+                    hidden_states: bool = False) -> tuple[dict[str, torch.Tensor], tuple | None, tuple | None]:
     """An online teacher's targets for a batch's tokens, without a gradient (it is frozen).
 
     Returns:
-        ({"teacher_logits": [B, L, V]}, None) for chunk_size <= 0, else ({"teacher_hidden": [B, L, Ht]},
-        (lm_head weight [V, Ht], bias or None, its final-logit soft-cap or None)): the decoder runs once, its
-        lm_head (and soft-cap) inside the loss's chunk loop.
+        ({"teacher_logits": [B, L, V]}, None, states) for chunk_size <= 0, else ({"teacher_hidden": [B, L, Ht]},
+        (lm_head weight [V, Ht], bias or None, its final-logit soft-cap or None), states): the decoder runs once,
+        its lm_head (and soft-cap) inside the loss's chunk loop. states: every layer's hidden states if asked.
     """
     if chunk_size <= 0:
-        return {"teacher_logits": teacher(input_ids=batch["input_ids"]).logits}, None
+        out = teacher(input_ids=batch["input_ids"], output_hidden_states=hidden_states)
+        return {"teacher_logits": out.logits}, None, out.hidden_states
     decoder, head = models.decoder_and_head(teacher, apply_softcap=True)  # applied in `_position_sums`
-    return ({"teacher_hidden": decoder(input_ids=batch["input_ids"]).last_hidden_state},
-            (*models.head_weight_and_bias(head), models.logit_softcap(teacher.config)))
+    out = decoder(input_ids=batch["input_ids"], output_hidden_states=hidden_states)
+    return ({"teacher_hidden": out.last_hidden_state},
+            (*models.head_weight_and_bias(head), models.logit_softcap(teacher.config)), out.hidden_states)
 
 
 def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KDLossConfig,
@@ -377,16 +368,23 @@ def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: KD
     With chunk_size > 0 the decoder runs alone and lm_head + loss run in chunks of positions
     (`kd_loss_chunked`), never holding B x L x V logits; 0 computes the full logits (`kd_loss`). With a
     `teacher` (frozen, same vocabulary), its whole distribution on the batch's tokens is the target (the K = V
-    loss) and any cached targets in the batch are ignored.
+    loss) and any cached targets in the batch are ignored; cfg.hidden_weight > 0 adds `hidden_state_loss`
+    against its hidden states (reported as `hidden`).
     """
-    teacher_head = None
+    teacher_head, features = None, teacher is not None and cfg.hidden_weight > 0
     if teacher is not None:
-        extra, teacher_head = teacher_targets(teacher, batch, chunk_size)
+        extra, teacher_head, teacher_states = teacher_targets(teacher, batch, chunk_size, features)
         batch = {**{k: v for k, v in batch.items() if k not in TARGET_KEYS}, **extra}
     if chunk_size <= 0:
-        return kd_loss(model(input_ids=batch["input_ids"]).logits, batch, cfg)
-    decoder, head = models.decoder_and_head(model, apply_softcap=True)
-    hidden = decoder(input_ids=batch["input_ids"]).last_hidden_state
-    weight, bias = models.head_weight_and_bias(head)
-    cfg = replace(cfg, logit_softcap=models.logit_softcap(model.config))
-    return kd_loss_chunked(hidden, weight, batch, cfg, chunk_size, bias, teacher_head)
+        student = model(input_ids=batch["input_ids"], output_hidden_states=features)
+        out = kd_loss(student.logits, batch, cfg)
+    else:
+        decoder, head = models.decoder_and_head(model, apply_softcap=True)
+        student = decoder(input_ids=batch["input_ids"], output_hidden_states=features)
+        weight, bias = models.head_weight_and_bias(head)
+        out = kd_loss_chunked(student.last_hidden_state, weight, batch, replace(
+            cfg, logit_softcap=models.logit_softcap(model.config)), chunk_size, bias, teacher_head)
+    if features:
+        out["hidden"] = hidden_state_loss(student.hidden_states, teacher_states, batch["attention_mask"])
+        out["loss"] = out["loss"] + cfg.hidden_weight * out["hidden"]
+    return out

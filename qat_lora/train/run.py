@@ -89,6 +89,11 @@ def _load_models(cfg: TrainConfig, device: torch.device, backend: Backend,
         if models.vocab_size(teacher) != models.vocab_size(student):
             raise ValueError(f"--online-teacher {cfg.online_teacher}: {models.vocab_size(teacher)} logits, the student "
                              f"has {models.vocab_size(student)}; pass a teacher with the student's vocabulary")
+        shape = lambda m: (m.config.get_text_config().num_hidden_layers, m.config.get_text_config().hidden_size)  # noqa: E731
+        if cfg.hidden_weight > 0 and shape(teacher) != shape(student):
+            raise ValueError(f"--hidden-weight {cfg.hidden_weight}: --online-teacher {cfg.online_teacher} has "
+                             f"(layers, width) {shape(teacher)}, the student {shape(student)}; feature distillation "
+                             "needs the student's own shape (its full-precision model): drop --hidden-weight")
         teacher = dev.move_model_(teacher.requires_grad_(False).eval(), device)
     return student, teacher
 
