@@ -97,6 +97,7 @@ from qat_lora.cache.config import CacheBuildConfig
 from qat_lora.cache.encodings import SampledEncoding, TopKEncoding, encode_rows
 from qat_lora.runtime.files import atomic_write_json
 from qat_lora.train.metrics import kd_metrics, perplexity
+from qat_lora.train.loss import KDLossConfig
 from qat_lora.commands.quantize import quantize
 from qat_lora.quant.fake_quant import PRESETS, get_preset, quant_config_dict, quantize_
 from qat_lora.runtime.runs import read_metrics
@@ -212,8 +213,7 @@ def validate(args: argparse.Namespace) -> None:
     Raises:
         ValueError: one line naming the bad value and the fix.
     """
-    if not 0 <= args.hidden_weight < float("inf"):
-        raise ValueError(f"--hidden-weight {args.hidden_weight}: must be >= 0 and finite (0 = off)")
+    KDLossConfig(hidden_weight=args.hidden_weight)  # the loss's own range check, before any model loads
     offline = [m for m in args.methods if m in TRAINED and m not in ONLINE_METHODS]
     if args.hidden_weight and offline:
         raise ValueError(f"--hidden-weight: needs the teacher in the step, and {offline[0]} trains from the cache; "

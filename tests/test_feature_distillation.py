@@ -107,3 +107,11 @@ def test_recovery_bench_passes_it_to_online_methods_only(tmp_path, teacher_dir):
         bench.validate(args)
     record = {"stages": [{"lr": 5e-4, "weight_lr": 1e-3, "hidden_weight": 0.5}]}
     assert bench._lrs(record) == "0.0005 (w 0.001) feat. 0.5"
+
+
+def test_recovery_bench_refuses_a_negative_weight_in_one_line(teacher_dir):
+    bench = load_benchmark("recovery")
+    args = bench.build_parser().parse_args(["--teacher", str(teacher_dir), "--methods", "qat-online",
+                                            "--hidden-weight", "-1"])
+    with pytest.raises(ValueError, match=r"^--hidden-weight -1.0: must be >= 0"):
+        bench.validate(args)
