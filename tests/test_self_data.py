@@ -161,6 +161,35 @@ def test_chat_prompts_become_message_records(teacher_dir, corpus_dir, tokenizer,
                  "--device", "cpu"]) == 0
 
 
+def test_unconditional_samples_start_from_the_bos_token_alone(teacher_dir, corpus_dir, tokenizer, tmp_path,
+                                                               monkeypatch):
+    import qat_lora.data.teacher_text as self_data
+
+    bos_teacher = tmp_path / "bos-teacher"
+    shutil.copytree(teacher_dir, bos_teacher)
+    tokenizer = type(tokenizer).from_pretrained(teacher_dir)
+    tokenizer.bos_token = "<|endoftext|>"
+    tokenizer.save_pretrained(bos_teacher)
+    seen = []
+    real = self_data._sample
+    monkeypatch.setattr(self_data, "_sample", lambda m, t, ids, *a: seen.extend(ids) or real(m, t, ids, *a))
+    cfg = GenerateDataConfig(model=str(bos_teacher), unconditional=True, out=str(tmp_path / "o"), tokens=120,
+                             max_new_tokens=12, batch_size=4, shard_samples=8, device="cpu")
+    report = generate_data(cfg, **QUIET)
+    records = _records(tmp_path / "o")
+    assert seen and all(ids == [tokenizer.bos_token_id] for ids in seen)  # no prompt but BOS
+    assert report["prompts"] == 1 and not report["chat"] and "corpus_sha256" not in report
+    assert report["generated_tokens"] >= 120 and len({r["text"] for r in records}) == len(records)  # own seeds
+    assert report["config"]["unconditional"]
+    # A rerun continues it; the same folder with a corpus's prompts is another corpus, refused.
+    assert generate_data(cfg, **QUIET)["generated_tokens"] == report["generated_tokens"]
+    with pytest.raises(ValueError, match="other settings"):
+        generate_data(GenerateDataConfig(**{**cfg.__dict__, "unconditional": False, "data": [str(corpus_dir)]}), **QUIET)
+    assert main(["build-cache", "--teacher", str(bos_teacher), "--data", str(tmp_path / "o"), "--out",
+                 str(tmp_path / "cache"), "--seq-len", "16", "--encoding", "topk", "--top-k", "4",
+                 "--holdout-fraction", "0.2", "--device", "cpu"]) == 0
+
+
 @pytest.mark.parametrize("flags, message", [
     ([], "pass exactly one of --data"),
     (["--data", "CORPUS", "--prompts", "p.txt"], "pass exactly one of --data"),
@@ -171,6 +200,9 @@ def test_chat_prompts_become_message_records(teacher_dir, corpus_dir, tokenizer,
     (["--prompts", "EMPTY"], "no prompt in it"),
     (["--prompts", "MISSING"], "no such file"),
     (["--data", "CORPUS", "--out", "FILE"], "is a file; pass a folder"),
+    (["--unconditional", "--data", "CORPUS"], "--unconditional samples from the BOS token alone"),
+    (["--unconditional", "--prefix-tokens", "8"], "--prefix-tokens"),
+    (["--unconditional"], "has no BOS token to start from"),  # the test tokenizer has none
 ])
 def test_bad_flags_are_one_line_errors(flags, message, teacher_dir, corpus_dir, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n\n")

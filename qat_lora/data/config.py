@@ -35,6 +35,9 @@ class GenerateDataConfig(TextInput, DeviceInput, PrecisionInput):
                                                                     "prompts (training text, never eval text)"})
     prompts: str = field(default="", metadata={"help": "text file, one prompt per line (instead of --data)"})
     raw_prompts: bool = field(default=False, metadata={"help": "--prompts as plain text, without the chat template"})
+    unconditional: bool = field(default=False, metadata={"help": "no prompts (instead of --data / --prompts): every "
+                                                                 "sample starts from the teacher's BOS token alone, "
+                                                                 "so the text follows the teacher's own distribution"})
     prefix_tokens: int = field(default=32, metadata={"help": "--data: prompt tokens taken from each passage"})
     stride: int = field(default=256, metadata={"help": "--data: tokens between the passages prompts are taken from"})
     tokens: int = field(default=100_000, metadata={"help": "generated tokens to write (prompts not counted); "
@@ -57,8 +60,11 @@ class GenerateDataConfig(TextInput, DeviceInput, PrecisionInput):
         paths_as_flags(self)
         if not self.model:
             raise ValueError("--model is required: the teacher that writes the corpus")
-        if bool(self.data) == bool(self.prompts):
-            raise ValueError("pass exactly one of --data (corpus passages as prompts) or --prompts (a file)")
+        if self.unconditional and (self.data or self.prompts):
+            raise ValueError("--unconditional samples from the BOS token alone; drop --data / --prompts")
+        if not self.unconditional and bool(self.data) == bool(self.prompts):
+            raise ValueError("pass exactly one of --data (corpus passages as prompts), --prompts (a file) or "
+                             "--unconditional (no prompts)")
         require_positive(self, "prefix_tokens", "stride", "tokens", "max_new_tokens", "batch_size", "shard_samples")
         require_positive(self, "temperature", finite=True)
         if not 0.0 < self.top_p <= 1.0:
@@ -75,6 +81,9 @@ class GenerateDataConfig(TextInput, DeviceInput, PrecisionInput):
 
     def unused_flags(self) -> dict[str, str]:
         """{field: what it needs} for the flags that do nothing under these options (refused when typed)."""
+        if self.unconditional:
+            return dict.fromkeys(("prefix_tokens", "stride", "raw_prompts"), "--data / --prompts (--unconditional "
+                                                                             "has no prompt)")
         if self.prompts:
             return dict.fromkeys(("prefix_tokens", "stride"), "--data (--prompts are used whole)")
         return {"raw_prompts": "--prompts (--data passages are plain text already)"}

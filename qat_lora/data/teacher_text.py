@@ -6,7 +6,7 @@ its domain differs from the one the student will serve.
     qat-lora build-cache --teacher T --data data/self --out caches/self
 
 Each sample is a prompt (the first --prefix-tokens tokens of a corpus passage, or a line of --prompts, wrapped
-in the chat template when the tokenizer has one) continued by the teacher at --temperature (1.0 = the teacher's
+in the chat template when the tokenizer has one; with --unconditional the BOS token alone) continued by the teacher at --temperature (1.0 = the teacher's
 own distribution, which is what distillation matches). The output is jsonl shards of {"text"} records (prompt +
 continuation; chat prompts as {"messages"}, read by build-cache --chat) plus generate.json (settings first,
 then the totals). Each shard has its own seeds and is written under a temp name, then renamed: a rerun after a
@@ -73,6 +73,11 @@ def file_prompts(path: Path, decoding: data.TextDecoding = data.TextDecoding()) 
 
 def _prompts(cfg: GenerateDataConfig, tokenizer, samples: int) -> tuple[list[str], bool]:
     """(prompts, chat): the prompts cycle when the budget needs more samples than there are prompts."""
+    if cfg.unconditional:  # one empty prompt: _encode gives the BOS token alone
+        if tokenizer.bos_token_id is None:
+            raise ValueError(f"--unconditional: the tokenizer of --model {cfg.model} has no BOS token to start "
+                             "from; pass --data or --prompts")
+        return [""], False
     if cfg.prompts:
         return file_prompts(Path(cfg.prompts), cfg.text_decoding()), not cfg.raw_prompts and tokenizer.chat_template is not None
     prompts = corpus_prompts(data.list_text_files(cfg.data), tokenizer, cfg.prefix_tokens, cfg.stride, samples,
@@ -244,7 +249,7 @@ def _generate(cfg: GenerateDataConfig, out: Path, saved: dict | None, log: Calla
     # Corpus prompts for a few times the samples a full-length budget needs; an early EOS (short answers)
     # needs more samples, and the prompts then cycle with fresh seeds.
     prompts, chat = _prompts(cfg, tokenizer, 4 * -(-cfg.tokens // cfg.max_new_tokens))
-    inputs = {"corpus_sha256": _corpus_fingerprint(cfg)}
+    inputs = {} if cfg.unconditional else {"corpus_sha256": _corpus_fingerprint(cfg)}
     _check_same_inputs(saved, inputs, cfg, out)  # the text first: a changed corpus fails before the model loads
     model = models.load_causal_lm(cfg.model)
     identity = identities.model_fingerprint(model, cfg.model)  # of the weights as stored, as build-cache records it
