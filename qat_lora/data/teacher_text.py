@@ -7,9 +7,9 @@ its domain differs from the one the student will serve.
 
 Each sample is a prompt (the first --prefix-tokens tokens of a corpus passage, or a line of --prompts, wrapped
 in the chat template when the tokenizer has one; with --unconditional the BOS token alone) continued by the
-teacher at --temperature (1.0 = the teacher's own distribution, which is what distillation matches). The output is jsonl shards of {"text"} records (prompt +
-continuation; chat prompts as {"messages"}, read by build-cache --chat) plus generate.json (settings first,
-then the totals). Each shard has its own seeds and is written under a temp name, then renamed: a rerun after a
+teacher at --temperature (1.0 = the teacher's own distribution, which is what distillation matches). The
+output is jsonl shards of {"text"} records (prompt + continuation; chat prompts as {"messages"}, read by
+build-cache --chat) plus generate.json (settings first, then the totals). Each shard has its own seeds and is written under a temp name, then renamed: a rerun after a
 stop skips the finished shards and produces the same files as an uninterrupted run (on the same device). A
 larger --tokens on the same folder continues the corpus (the earlier run's last shard stays as the budget cut it).
 generate.json records the fingerprints of the inputs (the --data / --prompts files, the teacher's weights and
