@@ -184,7 +184,8 @@ def test_unconditional_samples_start_from_the_bos_token_alone(teacher_dir, corpu
     # A rerun continues it; the same folder with a corpus's prompts is another corpus, refused.
     assert generate_data(cfg, **QUIET)["generated_tokens"] == report["generated_tokens"]
     with pytest.raises(ValueError, match="other settings"):
-        generate_data(GenerateDataConfig(**{**cfg.__dict__, "unconditional": False, "data": [str(corpus_dir)]}), **QUIET)
+        other = {**cfg.__dict__, "unconditional": False, "data": [str(corpus_dir)]}
+        generate_data(GenerateDataConfig(**other), **QUIET)
     assert main(["build-cache", "--teacher", str(bos_teacher), "--data", str(tmp_path / "o"), "--out",
                  str(tmp_path / "cache"), "--seq-len", "16", "--encoding", "topk", "--top-k", "4",
                  "--holdout-fraction", "0.2", "--device", "cpu"]) == 0

@@ -3,18 +3,19 @@ its domain differs from the one the student will serve.
 
     qat-lora generate-data --model T --data corpus/ --tokens 100000 --out data/self
     qat-lora generate-data --model T --prompts prompts.txt --out data/self      # one prompt per line
+    qat-lora generate-data --model T --unconditional --out data/self            # no corpus: from BOS alone
     qat-lora build-cache --teacher T --data data/self --out caches/self
 
-Each sample is a prompt (the first --prefix-tokens tokens of a corpus passage, or a line of --prompts, wrapped
-in the chat template when the tokenizer has one; with --unconditional the BOS token alone) continued by the
-teacher at --temperature (1.0 = the teacher's own distribution, which is what distillation matches). The
-output is jsonl shards of {"text"} records (prompt + continuation; chat prompts as {"messages"}, read by
-build-cache --chat) plus generate.json (settings first, then the totals). Each shard has its own seeds and is written under a temp name, then renamed: a rerun after a
-stop skips the finished shards and produces the same files as an uninterrupted run (on the same device). A
-larger --tokens on the same folder continues the corpus (the earlier run's last shard stays as the budget cut it).
-generate.json records the fingerprints of the inputs (the --data / --prompts files, the teacher's weights and
-config), as build-cache's progress does: a rerun after either changed is refused, never a corpus of two sources;
---overwrite starts the corpus again.
+Each sample is a prompt (the first --prefix-tokens tokens of a corpus passage, or a line of --prompts, wrapped in
+the chat template when the tokenizer has one; with --unconditional the BOS token alone) continued by the teacher at
+--temperature (1.0 = the teacher's own distribution, which is what distillation matches). The output is jsonl shards
+of {"text"} records (prompt + continuation; chat prompts as {"messages"}, read by build-cache --chat) plus
+generate.json (settings first, then the totals). Each shard has its own seeds and is written under a temp name, then
+renamed: a rerun after a stop skips the finished shards and produces the same files as an uninterrupted run (on the
+same device). A larger --tokens on the same folder continues the corpus (the earlier run's last shard stays as the
+budget cut it). generate.json records the fingerprints of the inputs (the --data / --prompts files, the teacher's
+weights and config), as build-cache's progress does: a rerun after either changed is refused, never a corpus of two
+sources; --overwrite starts the corpus again.
 """
 from __future__ import annotations
 
